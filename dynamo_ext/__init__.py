@@ -1,0 +1,12 @@
+"""dynamo-ext: Dynamo and Inductor support for distributed PyTorch code.
+
+    import dynamo_ext
+    dynamo_ext.install()      # or: with dynamo_ext.enabled(): ...
+
+Importing the package changes nothing in torch; see :func:`install`.
+"""
+
+from ._install import enabled, install, is_installed, uninstall
+
+__all__ = ["enabled", "install", "is_installed", "uninstall"]
+__version__ = "0.1.0"

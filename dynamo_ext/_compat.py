@@ -1,0 +1,76 @@
+"""Every private torch API dynamo-ext touches, probed once per feature.
+
+Supported: torch 2.11 to 2.15.  Each difference between releases is a probe
+here (``hasattr``/import attempts), never a version-string comparison, so a
+point release that back-ports a feature is handled too.  Other modules import
+torch internals only through this one.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+from typing import Any
+
+import torch
+import torch._dynamo  # noqa: F401  (loads the submodules probed below)
+from torch._dynamo import config as dynamo_config  # noqa: F401
+from torch._dynamo import exc as _exc
+from torch._dynamo import guards as _guards
+from torch._dynamo import source as _source  # noqa: F401
+from torch._dynamo import variables as _variables
+from torch._dynamo.variables import builder as _builder
+
+# ---- Dynamo: graph breaks, trackers, builders, guards -----------------------
+unimplemented = _exc.unimplemented
+Unsupported = _exc.Unsupported
+VariableTracker = _variables.VariableTracker
+ConstantVariable = _variables.ConstantVariable
+VariableBuilder = _builder.VariableBuilder
+SourcelessBuilder = _builder.SourcelessBuilder
+GuardBuilder = _guards.GuardBuilder
+install_guard = _guards.install_guard
+AttrSource = _source.AttrSource
+
+
+def user_function_variable(fn: Any, **kwargs: Any) -> Any:
+    """A ``UserFunctionVariable`` for ``fn`` (inlined by Dynamo when called)."""
+    return _variables.UserFunctionVariable(fn, **kwargs)
+
+
+def lambda_guard(builder: Any, guard: Any, check: Any, verbose: str) -> None:
+    """Attach ``check(value) -> bool`` to the guard manager of ``guard``'s source.
+
+    ``GuardManager.add_lambda_guard(fn, verbose_code_parts[, user_stack])`` takes a
+    third argument from 2.12 on; probe by arity failure rather than version.
+    """
+    mgr = builder.get_guard_manager(guard)
+    parts = _guards.get_verbose_code_parts(verbose, guard)
+    try:
+        mgr.add_lambda_guard(check, parts, guard.user_stack)
+    except TypeError:
+        mgr.add_lambda_guard(check, parts)
+
+
+def guard_fail_reason_owner() -> tuple[Any, str]:
+    """(module, name) of the function that turns a failed guard into the recompile reason."""
+    return _guards, "get_guard_fail_reason_helper"
+
+
+# ---- torch.distributed -------------------------------------------------------
+@functools.cache
+def has_functional_op(name: str) -> bool:
+    """Whether ``torch.ops._c10d_functional.<name>`` exists in this build."""
+    try:
+        getattr(torch.ops._c10d_functional, name)
+    except (AttributeError, RuntimeError):
+        return False
+    return True
+
+
+def optional_attr(module: str, name: str) -> Any:
+    """``module.name`` or ``None`` when this torch release lacks it."""
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError):
+        return None

@@ -1,0 +1,99 @@
+"""A guard is a pair of pure functions plus an installer.
+
+``extract(value) -> meta`` reads, once at compile time, what the compiled code
+depends on; ``describe(old_meta, new_meta) -> str | None`` compares two such
+records and says the difference in words (``None`` when they match).  Both are
+plain functions, unit-tested without Dynamo.  :func:`install_spec_guard`
+attaches the pair to a Dynamo source as a lambda guard.
+
+Shape of the check (see NOTE [guard fast path]): ``value is expected`` passes at
+once; otherwise the value's record is extracted and compared.  So a call with
+the very same object costs one identity test, a call with an equal object does
+not recompile, and a call with a different one fails with a reason in words.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+from collections.abc import Callable
+from typing import Any
+
+from .. import _compat
+
+# NOTE [guard fast path]
+# Guards run on every call of a compiled function.  Identity first keeps the
+# common case (a module's own mesh, the same placement constant) to one `is`.
+# The reason a guard failed is stored here by the check itself, so the
+# recompile message (guards/reasons.py) can say what changed.
+FAILURES: dict[str, str] = {}
+_keys = itertools.count()
+
+
+@dataclasses.dataclass(frozen=True)
+class GuardSpec:
+    """What one kind of distributed object is guarded on.
+
+    Attributes:
+        kind: a word for messages ("mesh", "placement", ...).
+        extract: ``value -> meta``; must not raise for any Python object
+            (return a record that differs from every valid one instead).
+        describe: ``(expected_meta, actual_meta) -> str | None``.
+    """
+
+    kind: str
+    extract: Callable[[Any], Any]
+    describe: Callable[[Any, Any], str | None]
+
+    def check(self, expected: Any, value: Any) -> str | None:
+        """The difference between ``expected`` (a meta record) and ``value``'s, or ``None``."""
+        return self.describe(expected, self.extract(value))
+
+
+def marker(key: str) -> str:
+    """The verbose code part Dynamo prints for a failed guard; replaced by the reason."""
+    return f"__dynamo_ext_guard_{key}"
+
+
+def make_checker(spec: GuardSpec, obj: Any, key: str, label: str = "") -> Callable[[Any], bool]:
+    """A guard check function for ``obj``: True while the value still matches it.
+
+    ``label`` (the source's name, e.g. ``L['mesh']``) prefixes the failure reason.
+    """
+    prefix = f"{label}: " if label else ""
+    meta = spec.extract(obj)
+
+    def check(value: Any) -> bool:
+        if value is obj:
+            return True
+        actual = spec.extract(value)
+        if actual == meta:
+            return True
+        FAILURES[key] = prefix + (spec.describe(meta, actual) or f"{spec.kind} changed")
+        return False
+
+    return check
+
+
+@functools.cache
+def _guard_fn(spec: GuardSpec) -> Callable[[Any, Any], None]:
+    # One function per spec, so Dynamo deduplicates guards on the same source.
+    def create(builder: Any, guard: Any) -> None:
+        key = str(next(_keys))
+        check = make_checker(spec, builder.get(guard), key, guard.name)
+        _compat.lambda_guard(builder, guard, check, marker(key))
+
+    create.__name__ = f"DYNAMO_EXT_{spec.kind.upper().replace(' ', '_')}_MATCH"
+    return create
+
+
+def install_spec_guard(source: Any, spec: GuardSpec) -> None:
+    """Guard ``source`` (a Dynamo ``Source``) with ``spec``.  No-op for constant sources."""
+    if source is None:
+        return
+    try:
+        guard = source.make_guard(_guard_fn(spec))
+    except NotImplementedError:  # constant source: nothing to guard
+        return
+    _compat.install_guard(guard)

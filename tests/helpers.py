@@ -1,0 +1,101 @@
+"""Test helpers: the fake process group and real gloo ranks.
+
+Every use of the private ``torch.testing._internal`` helpers goes through this
+module.  Gloo ranks are spawned with torch's own elastic launcher.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import functools
+import os
+import re
+import socket
+import uuid
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+# ---- single process: the fake process group ---------------------------------
+@contextlib.contextmanager
+def fake_world(world_size: int = 4, rank: int = 0) -> Iterator[None]:
+    """A default process group of ``world_size`` fake ranks; collectives return garbage, fast."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def normalize_gm(text: str) -> str:
+    """``gm.print_readable(False)`` with run-dependent names removed (for expecttest)."""
+    from torch._dynamo.testing import normalize_gm as _normalize
+
+    text = _normalize(text)
+    return re.sub(r"group_name = '[^']*'|'\d+'(?=\))", "'<group>'", text)
+
+
+class CountingBackend:
+    """A backend that records every graph Dynamo hands it and runs it eagerly."""
+
+    def __init__(self) -> None:
+        self.graphs: list[torch.fx.GraphModule] = []
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: Any) -> Callable[..., Any]:
+        self.graphs.append(gm)
+        return gm.forward
+
+    @property
+    def frame_count(self) -> int:
+        return len(self.graphs)
+
+
+# ---- several processes: gloo on loopback ---------------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_entry(fn: Callable[..., Any], plugin: bool, args: tuple[Any, ...]) -> Any:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+    try:
+        if plugin:
+            import dynamo_ext
+
+            dynamo_ext.install()
+        return fn(dist.get_rank(), dist.get_world_size(), *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_on_ranks(fn: Callable[..., Any], *args: Any, nproc: int = 4, plugin: bool = True) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``nproc`` gloo ranks; return the results by rank.
+
+    ``fn`` must be a module-level function (it is pickled into spawned processes).
+    Raises ``torch.distributed.elastic.multiprocessing.errors.ChildFailedError``
+    with each failed rank's traceback when a rank raises.
+    """
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=nproc,
+        run_id=f"test-{uuid.uuid4().hex[:8]}",
+        rdzv_backend="c10d",
+        rdzv_endpoint=f"127.0.0.1:{_free_port()}",
+        max_restarts=0,
+        monitor_interval=0.05,
+        start_method="spawn",
+    )
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    out = elastic_launch(config, functools.partial(_rank_entry, fn, plugin))(*args)
+    return [out[r] for r in range(nproc)]
