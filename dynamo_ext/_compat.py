@@ -23,6 +23,7 @@ from torch._dynamo.variables import builder as _builder
 
 # ---- Dynamo: graph breaks, trackers, builders, guards -----------------------
 unimplemented = _exc.unimplemented
+raise_observed_exception = _exc.raise_observed_exception
 Unsupported = _exc.Unsupported
 VariableTracker = _variables.VariableTracker
 ConstantVariable = _variables.ConstantVariable

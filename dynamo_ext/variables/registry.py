@@ -1,7 +1,9 @@
 """The one table that maps Python objects to dynamo-ext VariableTrackers.
 
 An entry matches a value by identity (functions such as ``dist.broadcast``),
-by exact type, or by subclass (``Placement`` subclasses users write).  Dynamo's
+by exact type, by subclass (instances of ``Placement`` subclasses users
+write), or by class (the value is itself a class deriving from the key, such
+as ``Shard``).  Dynamo's
 ``VariableBuilder`` (values with a source: arguments, globals, closures,
 attributes) and ``SourcelessBuilder`` (values made during tracing) consult the
 table before their own dispatch; :func:`hook_builders` installs that, through
@@ -21,11 +23,13 @@ from .. import _compat
 from .._patching import Patcher
 
 Builder = Callable[[Any, Any, Any], Any]
-Match = Literal["identity", "type", "subclass"]
+Match = Literal["identity", "type", "subclass", "class"]
 
 _by_id: dict[int, tuple[Any, Builder]] = {}
 _by_type: dict[type, Builder] = {}
 _by_subclass: list[tuple[type, Builder]] = []
+# match="class": the value is itself a class deriving from the key (Shard, user Placements).
+_by_class: list[tuple[type, Builder]] = []
 # type -> builder (or None); rebuilt lazily after any (un)registration.
 _type_cache: dict[type, Builder | None] = {}
 
@@ -48,10 +52,11 @@ def register_variable(key: Any, builder: Builder, *, match: Match = "type") -> N
         if key in _by_type:
             raise ValueError(f"type {key.__qualname__} already has a dynamo-ext variable builder")
         _by_type[key] = builder
-    elif match == "subclass":
-        if any(k is key for k, _ in _by_subclass):
-            raise ValueError(f"class {key.__qualname__} already has a dynamo-ext variable builder")
-        _by_subclass.append((key, builder))
+    elif match in ("subclass", "class"):
+        table = _by_subclass if match == "subclass" else _by_class
+        if any(k is key for k, _ in table):
+            raise ValueError(f"class {key.__qualname__} already has a dynamo-ext {match} builder")
+        table.append((key, builder))
     else:
         raise ValueError(f"match must be 'identity', 'type' or 'subclass', got {match!r}")
     _type_cache.clear()
@@ -65,10 +70,11 @@ def unregister_variable(key: Any, *, match: Match = "type") -> None:
     if match == "type":
         del _by_type[key]
     else:
-        idx = next((i for i, (k, _) in enumerate(_by_subclass) if k is key), None)
+        table = _by_subclass if match == "subclass" else _by_class
+        idx = next((i for i, (k, _) in enumerate(table) if k is key), None)
         if idx is None:
             raise KeyError(key)
-        del _by_subclass[idx]
+        del table[idx]
     _type_cache.clear()
 
 
@@ -77,6 +83,10 @@ def lookup(value: Any) -> Builder | None:
     hit = _by_id.get(id(value))
     if hit is not None and hit[0] is value:
         return hit[1]
+    if _by_class and isinstance(value, type):
+        for k, b in _by_class:
+            if issubclass(value, k):
+                return b
     cls = type(value)
     try:
         return _type_cache[cls]
@@ -94,7 +104,19 @@ def clear() -> None:
     _by_id.clear()
     _by_type.clear()
     _by_subclass.clear()
+    _by_class.clear()
     _type_cache.clear()
+
+
+_stock: dict[str, Callable[..., Any]] = {}
+
+
+def stock_variable(tx: Any, value: Any, source: Any) -> Any:
+    """The tracker stock Dynamo would build for ``value`` (bypassing this table)."""
+    if source is not None:
+        builder = _compat.VariableBuilder(tx, source)
+        return _stock["wrap"](builder, value)
+    return _stock["create"](tx, value)
 
 
 def hook_builders(patches: Patcher) -> None:
@@ -120,5 +142,7 @@ def hook_builders(patches: Patcher) -> None:
                 return vt
         return orig_create(tx, value)
 
+    _stock.update(wrap=orig_wrap, create=orig_create)
+    patches.on_undo(_stock.clear)
     patches.setattr(vb, "_wrap", _wrap)
     patches.setattr(sb, "create", staticmethod(create))

@@ -1,0 +1,76 @@
+"""Function handlers: a ``torch.distributed`` callable traced as a Python polyfill.
+
+``register_polyfill(fn, impl)`` makes Dynamo, whenever it meets ``fn`` (a
+global, an attribute of ``torch.distributed``, a value made during tracing),
+trace ``impl`` instead: ``impl`` is ordinary Python written with functional
+collectives, which Dynamo inlines.  ``impl`` must take the same arguments as
+``fn``.  This is the idea of ``torch.compiler.substitute_in_graph``, kept in
+our own table so ``uninstall()`` removes it and the handler sees the call's
+arguments before inlining (to raise a clear graph break).
+
+A ``check(args, kwargs)`` callback, when given, runs first on the trackers and
+may call :func:`dynamo_ext.graph_breaks.graph_break`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from .. import _compat, graph_breaks
+from . import registry
+
+Check = Callable[[Any, list[Any], dict[str, Any]], None]
+
+
+class PolyfilledFunctionVariable(_compat.VariableTracker):
+    """A call to ``fn`` that Dynamo traces as a call to ``impl``."""
+
+    def __init__(self, fn: Callable[..., Any], impl: Callable[..., Any], check: Check | None, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.fn = fn
+        self.impl = impl
+        self.check = check
+
+    def __repr__(self) -> str:
+        return f"PolyfilledFunctionVariable({getattr(self.fn, '__qualname__', self.fn)})"
+
+    def python_type(self) -> type:
+        return type(self.fn)
+
+    def as_python_constant(self) -> Any:
+        return self.fn
+
+    def is_python_constant(self) -> bool:
+        return True
+
+    def call_function(self, tx: Any, args: list[Any], kwargs: dict[str, Any]) -> Any:
+        if self.check is not None:
+            self.check(tx, args, kwargs)
+        return _compat.user_function_variable(self.impl).call_function(tx, args, kwargs)
+
+    def reconstruct(self, codegen: Any) -> None:
+        if self.source is not None:
+            codegen(self.source)
+        else:
+            name = codegen.tx.output.install_global_by_id("dynamo_ext_fn", self.fn)
+            codegen.append_output(codegen.create_load_global(name, add=True))
+
+
+def register_polyfill(fn: Callable[..., Any], impl: Callable[..., Any], *, check: Check | None = None) -> None:
+    """Trace ``impl`` wherever Dynamo meets ``fn``.  Raises ``ValueError`` if ``fn`` has one already."""
+
+    def build(tx: Any, value: Any, source: Any) -> PolyfilledFunctionVariable:
+        return PolyfilledFunctionVariable(fn, impl, check, source=source)
+
+    registry.register_variable(fn, build, match="identity")
+
+
+def register_graph_break(fn: Callable[..., Any], kind: graph_breaks.GraphBreakType, *, hint: str = "") -> None:
+    """Make every call of ``fn`` a graph break of ``kind`` that names the call."""
+    name = f"{getattr(fn, '__module__', '')}.{getattr(fn, '__qualname__', fn)}"
+
+    def check(tx: Any, args: list[Any], kwargs: dict[str, Any]) -> None:
+        graph_breaks.graph_break(kind, f"{name}(...)", extra_hints=(hint,) if hint else ())
+
+    register_polyfill(fn, fn, check=check)
