@@ -74,3 +74,36 @@ def register_graph_break(fn: Callable[..., Any], kind: graph_breaks.GraphBreakTy
         graph_breaks.graph_break(kind, f"{name}(...)", extra_hints=(hint,) if hint else ())
 
     register_polyfill(fn, fn, check=check)
+
+
+class ConstantFoldedFunctionVariable(PolyfilledFunctionVariable):
+    """A call evaluated at trace time on constant arguments; the result is a constant.
+
+    For functions whose result depends only on process-group state fixed at
+    trace time (``get_rank``, ``get_world_size``, ``get_process_group_ranks``):
+    their group argument is guarded by identity, so the folded value is exact.
+    """
+
+    def call_function(self, tx: Any, args: list[Any], kwargs: dict[str, Any]) -> Any:
+        from .base import const_args, raise_user_error, wrap_constant
+
+        consts = const_args(args, kwargs)
+        if consts is None:
+            graph_breaks.graph_break(
+                graph_breaks.NON_CONSTANT_ARGUMENT,
+                f"{getattr(self.fn, '__qualname__', self.fn)}(args={args}, kwargs={kwargs})",
+            )
+        try:
+            result = self.fn(*consts[0], **consts[1])
+        except Exception as e:
+            raise_user_error(tx, e)
+        return wrap_constant(tx, result)
+
+
+def register_constant_fold(fn: Callable[..., Any]) -> None:
+    """Evaluate calls of ``fn`` at trace time (arguments must be constants or distributed objects)."""
+
+    def build(tx: Any, value: Any, source: Any) -> ConstantFoldedFunctionVariable:
+        return ConstantFoldedFunctionVariable(fn, fn, None, source=source)
+
+    registry.register_variable(fn, build, match="identity")

@@ -1,0 +1,287 @@
+"""Per-rank collection from Dynamo's own structured trace.
+
+NOTE [audit signals]
+Everything comes from ``torch._logging.trace_structured``, the stream tlparse
+reads, through one ``logging.Handler`` on the ``torch.__trace`` logger:
+
+- ``artifact dynamo_graph_break_reason``: Dynamo logs every graph break here,
+  from inside the ``except`` block that caught the ``Unsupported``, so
+  ``sys.exc_info()`` in the handler is the exception itself, with its
+  ``gb_type``, message and ``real_stack``.  One event per increment of
+  ``counters["graph_break"]``; the ones whose payload says "results in a skip"
+  are frames Dynamo gave up on (a break in a loop, in a ``with`` block ...),
+  which the counter does not count but the audit does.  Skips are only logged
+  while the ``graph_breaks`` artifact logger is enabled, so :meth:`start`
+  raises its level.
+- ``dynamo_output_graph`` / ``aot_*_graph``: the graph text, for collectives.
+- ``compilation_metrics``: one per frame compile, with the op count, the
+  compile time and, for a recompile, the failed guard in words (our guards
+  put words there, see ``dynamo_ext/guards/reasons.py``).
+
+Counting never derives breaks from graphs - 1.  The handler never raises into
+Dynamo: a failure becomes an ``internal`` event.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from .identity import is_distributed_cause, normalize_path, user_frame_index
+
+TRACE_LOGGER = "torch.__trace"
+GRAPH_BREAK_LOGGERS = ("torch._dynamo.convert_frame.__graph_breaks", "torch._dynamo.symbolic_convert.__graph_breaks")
+_SKIP_PREFIX = "Graph break: torch.compile cannot properly resume"
+_RESUME = re.compile(r"^torch_dynamo_resume_in_(.+)_at_\d+$")
+_COLLECTIVE = re.compile(r"(?:_c10d_functional(?:_autograd)?|c10d_functional|torch\.distributed\.\w+)\.(\w+)")
+_NOT_COLLECTIVES = {"wait_tensor", "default", "wait", "get_rank", "get_world_size"}
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+# Frames above Dynamo's callback that are not user code.
+_DROP_ABOVE = (
+    os.path.join(_TORCH_DIR, "_dynamo"),
+    os.path.join(_TORCH_DIR, "nn", "modules", "module.py"),
+    os.path.dirname(logging.__file__),
+    os.path.dirname(__file__),
+    "<frozen ",
+)
+
+
+def parse_message(msg: str) -> tuple[str, str, tuple[str, ...], str]:
+    """(first line, explanation, hints, context) of Dynamo's ``format_graph_break_message`` text."""
+    first = msg.strip().splitlines()[0] if msg.strip() else ""
+    expl = re.search(r"^\s*Explanation: (.*?)(?=^\s*Hint: |^\s*Developer debug context: |\Z)", msg, re.S | re.M)
+    ctx = re.search(r"^\s*Developer debug context: (.*?)(?=^\s*For more details|\Z)", msg, re.S | re.M)
+    hints = tuple(
+        " ".join(h.split())
+        for h in re.findall(r"^\s*Hint: (.*?)(?=^\s*Hint: |^\s*Developer debug context: |^\s*$|\Z)", msg, re.S | re.M)
+    )
+    return (
+        first,
+        " ".join(expl.group(1).split()) if expl else "",
+        hints,
+        " ".join(ctx.group(1).split()) if ctx else "",
+    )
+
+
+def collectives_in(graph_text: str | None) -> dict[str, int]:
+    """Collective op names and counts in a printed FX graph."""
+    out: dict[str, int] = {}
+    for line in (graph_text or "").splitlines():
+        if "=" not in line:
+            continue
+        for name in _COLLECTIVE.findall(line.split("=", 1)[1]):
+            if name not in _NOT_COLLECTIVES:
+                out[name] = out.get(name, 0) + 1
+    return out
+
+
+def _frames(summaries: Any) -> list[list[Any]]:
+    return [[fs.filename, fs.lineno or 0, fs.name, (fs.line or "").strip()] for fs in summaries or ()]
+
+
+def _collapse_resume(frames: list[list[Any]]) -> list[list[Any]]:
+    """Name resume functions after their original function and drop the caller they stand in for."""
+    out: list[list[Any]] = []
+    for f in frames:
+        m = _RESUME.match(f[2])
+        if m:
+            f = [f[0], f[1], m.group(1), f[3]]
+            if out and out[-1][0] == f[0] and out[-1][2] == f[2]:
+                out.pop()
+        out.append(f)
+    return out
+
+
+def _stack_above_dynamo() -> list[list[Any]]:
+    stack = traceback.extract_stack()
+    out = []
+    for fs in stack:
+        if fs.filename.endswith(os.path.join("_dynamo", "convert_frame.py")):
+            break
+        if not fs.filename.startswith(_DROP_ABOVE):
+            out.append(fs)
+    return _frames(out)
+
+
+def _phase(metadata: dict[str, Any] | None = None, compile_id: str = "") -> str:
+    if compile_id.startswith("!") or (metadata or {}).get("compiled_autograd_id") is not None:
+        return "backward"
+    try:
+        if torch._C._current_autograd_node() is not None:
+            return "backward"
+    except (AttributeError, RuntimeError):
+        pass
+    return "forward"
+
+
+def _compile_key(md: dict[str, Any]) -> str:
+    ca = md.get("compiled_autograd_id")
+    frame = f"{md.get('frame_id')}/{md.get('frame_compile_id')}"
+    return frame if ca is None else f"!{ca}/{frame}"
+
+
+class Collector(logging.Handler):
+    """Collects one rank's breaks, graphs and recompiles as event dicts.
+
+    ``sink(event)`` receives each event as it happens (the CLI writes them to a
+    file so a rank that dies leaves what it saw); ``events`` keeps them too.
+    """
+
+    def __init__(self, sink: Callable[[dict[str, Any]], None] | None = None) -> None:
+        super().__init__(level=logging.DEBUG)
+        self.events: list[dict[str, Any]] = []
+        self._sink = sink
+        self._graphs: dict[str, dict[str, str]] = {}
+        self._lock_events = threading.Lock()
+        self._saved_levels: list[tuple[logging.Logger, int]] = []
+
+    # ---- lifecycle -------------------------------------------------------------
+    def start(self) -> None:
+        """Attach to the structured trace and enable graph-break logging (see NOTE [audit signals])."""
+        trace = logging.getLogger(TRACE_LOGGER)
+        trace.addHandler(self)
+        self._saved_levels = [(trace, trace.level)]
+        trace.setLevel(logging.DEBUG)
+        for name in GRAPH_BREAK_LOGGERS:
+            lg = logging.getLogger(name)
+            self._saved_levels.append((lg, lg.level))
+            if not lg.isEnabledFor(logging.DEBUG):
+                lg.setLevel(logging.DEBUG)
+                lg.addHandler(_QUIET)
+                lg.propagate = False
+
+    def stop(self) -> None:
+        """Detach; restore logger levels."""
+        logging.getLogger(TRACE_LOGGER).removeHandler(self)
+        for lg, level in self._saved_levels:
+            lg.setLevel(level)
+            if _QUIET in lg.handlers:
+                lg.removeHandler(_QUIET)
+                lg.propagate = True
+        self._saved_levels = []
+
+    def record(self, event: dict[str, Any]) -> None:
+        """Keep ``event`` and pass it to the sink."""
+        event.setdefault("time", time.time())
+        with self._lock_events:
+            self.events.append(event)
+            if self._sink is not None:
+                self._sink(event)
+
+    # ---- logging.Handler --------------------------------------------------------
+    def emit(self, record: logging.LogRecord) -> None:
+        md = getattr(record, "metadata", None)
+        if not isinstance(md, dict) or not md:
+            return
+        name = next(iter(md))
+        try:
+            if name == "artifact" and md["artifact"].get("name") == "dynamo_graph_break_reason":
+                self._on_break(md, getattr(record, "payload", "") or "")
+            elif name == "dynamo_output_graph":
+                self._graphs.setdefault(_compile_key(md), {})["dynamo"] = getattr(record, "payload", "") or ""
+            elif name in ("aot_forward_graph", "aot_inference_graph", "aot_backward_graph"):
+                side = "backward" if name == "aot_backward_graph" else "forward"
+                self._graphs.setdefault(_compile_key(md), {})[side] = getattr(record, "payload", "") or ""
+            elif name == "compilation_metrics":
+                self._on_metrics(md["compilation_metrics"])
+        except Exception as e:  # never break the user's compile
+            self.record({"ev": "internal", "message": f"audit collector failed on {name}: {type(e).__name__}: {e}"})
+
+    # ---- events ---------------------------------------------------------------
+    def _on_break(self, md: dict[str, Any], payload: str) -> None:
+        exc = sys.exc_info()[1]
+        kind = "frame_skip" if payload.startswith(_SKIP_PREFIX) else "graph_break"
+        msg = getattr(exc, "msg", None) or (str(exc) if exc is not None else payload)
+        first, explanation, hints, context = parse_message(msg)
+        gb_type = getattr(exc, "gb_type", None) or first or type(exc).__name__
+        stack = _collapse_resume(_stack_above_dynamo() + _frames(getattr(exc, "real_stack", None)))
+        if not stack:
+            m = re.search(r"in user code at (.+):(\d+)", payload)
+            stack = [[m.group(1), int(m.group(2)), "<unknown>", ""]] if m else [["<unknown>", 0, "<unknown>", ""]]
+        files = [f[0] for f in stack]
+        idx = user_frame_index(files)
+        self.record(
+            {
+                "ev": "break",
+                "kind": kind,
+                "gb_type": gb_type,
+                "reason": first,
+                "explanation": explanation,
+                "hints": list(hints),
+                "context": context,
+                "stack": [[normalize_path(f[0]), f[1], f[2], f[3]] for f in stack],
+                "user_index": idx,
+                "distributed": is_distributed_cause(gb_type, files, f"{msg}\n{context}"),
+                "phase": _phase(md),
+                "compile_id": _compile_key(md),
+            }
+        )
+
+    def _on_metrics(self, m: dict[str, Any]) -> None:
+        cid = str(m.get("compile_id") or "")
+        graphs = self._graphs.pop(cid, {})
+        has_graph = "dynamo" in graphs or bool(m.get("graph_op_count"))
+        self.record(
+            {
+                "ev": "compile",
+                "compile_id": cid,
+                "function": _RESUME.sub(r"\1", str(m.get("co_name") or "")),
+                "code_name": str(m.get("co_name") or ""),
+                "file": normalize_path(str(m.get("co_filename") or "")),
+                "line": int(m.get("co_firstlineno") or 0),
+                "op_count": int(m.get("graph_op_count") or 0),
+                "has_graph": has_graph,
+                "collectives": collectives_in(graphs.get("forward") or graphs.get("dynamo")),
+                "backward_collectives": collectives_in(graphs.get("backward")),
+                "time_s": float(m.get("entire_frame_compile_time_s") or 0.0),
+                "recompile_reason": m.get("recompile_reason"),
+                "fail_type": m.get("fail_type"),
+                "fail_reason": m.get("fail_reason"),
+                "phase": _phase(None, cid),
+            }
+        )
+
+
+class _Quiet(logging.Handler):
+    """Swallows the graph-break log lines we enable only to get Dynamo to emit skips."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        pass
+
+
+_QUIET = _Quiet()
+
+
+def dynamo_counters() -> dict[str, Any]:
+    """The totals of ``torch._dynamo.utils.counters`` the audit cross-checks against."""
+    from torch._dynamo.utils import counters
+
+    return {
+        "graph_break": int(sum(counters["graph_break"].values())),
+        "unique_graphs": int(counters["stats"].get("unique_graphs", 0)),
+        "calls_captured": int(counters["stats"].get("calls_captured", 0)),
+    }
+
+
+class JsonlSink:
+    """Appends events to a file, one JSON object per line, flushed each time."""
+
+    def __init__(self, path: str) -> None:
+        self._f = open(path, "a", encoding="utf-8")  # noqa: SIM115  (closed in close())
+
+    def __call__(self, event: dict[str, Any]) -> None:
+        self._f.write(json.dumps(event, default=str) + "\n")
+        self._f.flush()
+
+    def close(self) -> None:
+        self._f.close()

@@ -1,0 +1,306 @@
+"""The audit's data: frozen records, merged across ranks, and their JSON form.
+
+A rank's collector (:mod:`.collector`) writes plain event dicts; :mod:`.merge`
+turns the events of every rank into one :class:`AuditReport`.  The JSON form
+(:meth:`AuditReport.to_json`) is the stable schema documented in
+``docs/audit.md``; :func:`report_from_json` reads it back (for ``diff`` and
+``--baseline``).  ``str(report)`` is the terminal report without colour.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+# Bump on an incompatible change of the JSON layout; adding keys is compatible.
+SCHEMA_VERSION = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Frame:
+    """One frame of a user stack."""
+
+    file: str
+    line: int
+    function: str
+    source: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class GraphBreak:
+    """One distinct graph break, merged over every rank that hit it.
+
+    ``id`` is the stable identity ``gb_type | file:line | function``; it is what
+    ``--baseline`` and ``audit diff`` compare.  ``kind`` is ``"graph_break"``
+    (Dynamo split the frame; counted in ``counters["graph_break"]``) or
+    ``"frame_skip"`` (Dynamo gave up on the whole frame and runs it eagerly).
+    """
+
+    id: str
+    kind: str
+    gb_type: str
+    file: str
+    line: int
+    function: str
+    source: str
+    reason: str
+    explanation: str
+    hints: tuple[str, ...]
+    fix: str
+    distributed: bool
+    phase: str
+    ranks: tuple[int, ...]
+    count_by_rank: tuple[tuple[int, int], ...]
+    stack: tuple[Frame, ...]
+    snippet: tuple[tuple[int, str], ...]
+    recompiles_caused: int
+    hang_risk: bool
+    impact: int
+
+    @property
+    def count(self) -> int:
+        """Occurrences summed over ranks."""
+        return sum(n for _, n in self.count_by_rank)
+
+    @property
+    def location(self) -> str:
+        return f"{self.file}:{self.line}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Graph:
+    """One compiled graph (a Dynamo frame compile that produced a graph), merged over ranks.
+
+    ``id`` is ``file:firstline function #n`` where ``n`` counts compiles of that
+    code object on a rank (0 first, then one per recompile).
+    """
+
+    id: str
+    function: str
+    file: str
+    line: int
+    phase: str
+    ranks: tuple[int, ...]
+    op_count_by_rank: tuple[tuple[int, int], ...]
+    collectives: tuple[tuple[str, int], ...]
+    backward_collectives: tuple[tuple[str, int], ...]
+    compile_time_s: float
+    hang_risk: bool
+
+    @property
+    def op_count(self) -> int:
+        return max((n for _, n in self.op_count_by_rank), default=0)
+
+
+@dataclasses.dataclass(frozen=True)
+class Recompile:
+    """One recompile reason (the failed guard, in words), merged over ranks."""
+
+    id: str
+    function: str
+    file: str
+    line: int
+    reason: str
+    ranks: tuple[int, ...]
+    count_by_rank: tuple[tuple[int, int], ...]
+    hang_risk: bool
+
+    @property
+    def count(self) -> int:
+        return sum(n for _, n in self.count_by_rank)
+
+
+@dataclasses.dataclass(frozen=True)
+class RankSummary:
+    """What one rank did: its status and its own totals.
+
+    ``status`` is ``"ok"``, ``"error"`` (the target raised), ``"died"`` (the
+    process ended without saying why) or ``"timeout"``.  ``dynamo_graph_breaks``
+    is ``sum(torch._dynamo.utils.counters["graph_break"].values())`` read on the
+    rank at the end (``None`` when the rank never got there).
+    """
+
+    rank: int
+    status: str
+    error: str
+    graph_breaks: int
+    frame_skips: int
+    graphs: int
+    recompiles: int
+    compile_time_s: float
+    dynamo_graph_breaks: int | None
+    dynamo_unique_graphs: int | None
+    log: str
+
+
+@dataclasses.dataclass(frozen=True)
+class AuditReport:
+    """Everything the audit found; ``str(report)`` is the terminal report.
+
+    ``plugin`` says whether dynamo-ext was installed on the ranks
+    (``{"installed": bool, "version": str, "error": str}``).  ``stock`` is the
+    run without the plugin when ``--compare-stock`` was given.
+    """
+
+    target: str
+    world_size: int
+    backend: str
+    torch_version: str
+    plugin: dict[str, Any]
+    graph_breaks: tuple[GraphBreak, ...]
+    graphs: tuple[Graph, ...]
+    recompiles: tuple[Recompile, ...]
+    ranks: tuple[RankSummary, ...]
+    errors: tuple[str, ...] = ()
+    stock: AuditReport | None = None
+
+    # ---- totals (what the CI gate compares) ------------------------------------
+    @property
+    def total_breaks(self) -> int:
+        """Breaks (graph breaks + frame skips) on the rank with the most."""
+        return max((r.graph_breaks + r.frame_skips for r in self.ranks), default=0)
+
+    @property
+    def total_recompiles(self) -> int:
+        """Recompiles on the rank with the most."""
+        return max((r.recompiles for r in self.ranks), default=0)
+
+    @property
+    def hang_risks(self) -> tuple[str, ...]:
+        """One line per rank-divergent break, graph or recompile."""
+        out = [f"graph break {b.id} on ranks {list(b.ranks)} {_counts(b.count_by_rank)}" for b in self.graph_breaks if b.hang_risk]
+        out += [f"graph {g.id} on ranks {list(g.ranks)} ops {_counts(g.op_count_by_rank)}" for g in self.graphs if g.hang_risk]
+        out += [f"recompile of {r.function} ({r.reason}) on ranks {list(r.ranks)}" for r in self.recompiles if r.hang_risk]
+        return tuple(out)
+
+    @property
+    def ok(self) -> bool:
+        """Every rank finished and nothing went wrong in the launcher."""
+        return not self.errors and all(r.status == "ok" for r in self.ranks)
+
+    def to_json(self) -> dict[str, Any]:
+        """The documented JSON form (see docs/audit.md)."""
+        return _to_plain(self)
+
+    def __str__(self) -> str:
+        from .render import render_text
+
+        return render_text(self)
+
+
+def _counts(pairs: tuple[tuple[int, int], ...]) -> str:
+    return "{" + ", ".join(f"rank {r}: {n}" for r, n in pairs) + "}"
+
+
+def _to_plain(report: AuditReport) -> dict[str, Any]:
+    def conv(obj: Any) -> Any:
+        if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+            d = {f.name: conv(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+            if isinstance(obj, (GraphBreak, Recompile)):
+                d["count"] = obj.count
+            if isinstance(obj, Graph):
+                d["op_count"] = obj.op_count
+            return d
+        if isinstance(obj, (tuple, list)):
+            return [conv(x) for x in obj]
+        if isinstance(obj, dict):
+            return {str(k): conv(v) for k, v in obj.items()}
+        return obj
+
+    out: dict[str, Any] = {"schema_version": SCHEMA_VERSION}
+    out.update(conv(dataclasses.replace(report, stock=None)))
+    out["stock"] = None if report.stock is None else _to_plain(report.stock)
+    out["totals"] = {
+        "graph_breaks": report.total_breaks,
+        "recompiles": report.total_recompiles,
+        "graphs": max((r.graphs for r in report.ranks), default=0),
+        "hang_risks": list(report.hang_risks),
+    }
+    return out
+
+
+def _pairs(x: Any) -> tuple[tuple[int, int], ...]:
+    return tuple((int(a), int(b)) for a, b in x)
+
+
+def report_from_json(data: dict[str, Any]) -> AuditReport:
+    """Read back :meth:`AuditReport.to_json` output.
+
+    Raises:
+        ValueError: ``data`` is not an audit report or has a newer schema version.
+    """
+    if not isinstance(data, dict) or "graph_breaks" not in data:
+        raise ValueError("not a dynamo-ext audit report: expected a JSON object with a 'graph_breaks' key")
+    version = data.get("schema_version", 1)
+    if version > SCHEMA_VERSION:
+        raise ValueError(f"audit report schema_version {version} is newer than this dynamo-ext reads ({SCHEMA_VERSION})")
+
+    def frames(xs: list[dict[str, Any]]) -> tuple[Frame, ...]:
+        return tuple(Frame(**x) for x in xs)
+
+    breaks = tuple(
+        GraphBreak(
+            **{
+                **{k: v for k, v in b.items() if k != "count"},
+                "hints": tuple(b["hints"]),
+                "ranks": tuple(b["ranks"]),
+                "count_by_rank": _pairs(b["count_by_rank"]),
+                "stack": frames(b["stack"]),
+                "snippet": tuple((int(n), s) for n, s in b["snippet"]),
+            }
+        )
+        for b in data["graph_breaks"]
+    )
+    graphs = tuple(
+        Graph(
+            **{
+                **{k: v for k, v in g.items() if k != "op_count"},
+                "ranks": tuple(g["ranks"]),
+                "op_count_by_rank": _pairs(g["op_count_by_rank"]),
+                "collectives": tuple((a, int(b)) for a, b in g["collectives"]),
+                "backward_collectives": tuple((a, int(b)) for a, b in g["backward_collectives"]),
+            }
+        )
+        for g in data.get("graphs", [])
+    )
+    recompiles = tuple(
+        Recompile(
+            **{
+                **{k: v for k, v in r.items() if k != "count"},
+                "ranks": tuple(r["ranks"]),
+                "count_by_rank": _pairs(r["count_by_rank"]),
+            }
+        )
+        for r in data.get("recompiles", [])
+    )
+    ranks = tuple(RankSummary(**r) for r in data.get("ranks", []))
+    stock = data.get("stock")
+    return AuditReport(
+        target=data.get("target", ""),
+        world_size=data.get("world_size", len(ranks)),
+        backend=data.get("backend", ""),
+        torch_version=data.get("torch_version", ""),
+        plugin=dict(data.get("plugin", {})),
+        graph_breaks=breaks,
+        graphs=graphs,
+        recompiles=recompiles,
+        ranks=ranks,
+        errors=tuple(data.get("errors", [])),
+        stock=None if stock is None else report_from_json(stock),
+    )
+
+
+def load_report(path: str) -> AuditReport:
+    """Read a JSON report written by ``--json``.
+
+    Raises:
+        ValueError: the file is not valid JSON or not an audit report.
+        FileNotFoundError: no such file.
+    """
+    with open(path, encoding="utf-8") as f:
+        try:
+            data = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path} is not valid JSON: {e}") from None
+    return report_from_json(data)
