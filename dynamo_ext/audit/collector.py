@@ -210,6 +210,7 @@ class Collector(logging.Handler):
             stack = [[m.group(1), int(m.group(2)), "<unknown>", ""]] if m else [["<unknown>", 0, "<unknown>", ""]]
         files = [f[0] for f in stack]
         idx = user_frame_index(files)
+        abs_file = os.path.abspath(stack[idx][0]) if not stack[idx][0].startswith("<") else stack[idx][0]
         self.record(
             {
                 "ev": "break",
@@ -221,6 +222,7 @@ class Collector(logging.Handler):
                 "context": context,
                 "stack": [[normalize_path(f[0]), f[1], f[2], f[3]] for f in stack],
                 "user_index": idx,
+                "abs_file": abs_file,
                 "distributed": is_distributed_cause(gb_type, files, f"{msg}\n{context}"),
                 "phase": _phase(md),
                 "compile_id": _compile_key(md),

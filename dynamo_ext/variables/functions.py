@@ -4,7 +4,8 @@
 global, an attribute of ``torch.distributed``, a value made during tracing),
 trace ``impl`` instead: ``impl`` is ordinary Python written with functional
 collectives, which Dynamo inlines.  ``impl`` must take the same arguments as
-``fn``.  This is the idea of ``torch.compiler.substitute_in_graph``, kept in
+``fn``; when ``fn`` is reached as a bound method (``obj.method`` where
+``type(obj).method is fn``), ``impl`` receives ``obj`` first.  This is the idea of ``torch.compiler.substitute_in_graph``, kept in
 our own table so ``uninstall()`` removes it and the handler sees the call's
 arguments before inlining (to raise a clear graph break).
 
@@ -14,6 +15,7 @@ may call :func:`dynamo_ext.graph_breaks.graph_break`.
 
 from __future__ import annotations
 
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -31,6 +33,7 @@ class PolyfilledFunctionVariable(_compat.VariableTracker):
         self.fn = fn
         self.impl = impl
         self.check = check
+        self.bound_self: Any = None  # the tracker of ``self`` when fn was reached as a bound method
 
     def __repr__(self) -> str:
         return f"PolyfilledFunctionVariable({getattr(self.fn, '__qualname__', self.fn)})"
@@ -45,6 +48,8 @@ class PolyfilledFunctionVariable(_compat.VariableTracker):
         return True
 
     def call_function(self, tx: Any, args: list[Any], kwargs: dict[str, Any]) -> Any:
+        if self.bound_self is not None:
+            args = [self.bound_self, *args]
         if self.check is not None:
             self.check(tx, args, kwargs)
         return _compat.user_function_variable(self.impl).call_function(tx, args, kwargs)
@@ -61,9 +66,20 @@ def register_polyfill(fn: Callable[..., Any], impl: Callable[..., Any], *, check
     """Trace ``impl`` wherever Dynamo meets ``fn``.  Raises ``ValueError`` if ``fn`` has one already."""
 
     def build(tx: Any, value: Any, source: Any) -> PolyfilledFunctionVariable:
-        return PolyfilledFunctionVariable(fn, impl, check, source=source)
+        vt = PolyfilledFunctionVariable(fn, impl, check, source=source)
+        if isinstance(value, types.MethodType):
+            self_source = None if source is None else _compat.AttrSource(source, "__self__")
+            vt.bound_self = build_variable(tx, value.__self__, self_source)
+        return vt
 
     registry.register_variable(fn, build, match="identity")
+
+
+def build_variable(tx: Any, value: Any, source: Any) -> Any:
+    """A tracker for ``value``: from its source when it has one (guarded), else sourceless."""
+    if source is None:
+        return _compat.SourcelessBuilder.create(tx, value)
+    return _compat.VariableBuilder(tx, source)(value)
 
 
 def register_graph_break(fn: Callable[..., Any], kind: graph_breaks.GraphBreakType, *, hint: str = "") -> None:

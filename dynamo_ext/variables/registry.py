@@ -16,6 +16,7 @@ Registering a key twice is an error, like Dynamo's own ``_type_dispatch_impl``.
 
 from __future__ import annotations
 
+import types
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -83,6 +84,9 @@ def lookup(value: Any) -> Builder | None:
     hit = _by_id.get(id(value))
     if hit is not None and hit[0] is value:
         return hit[1]
+    if type(value) is types.MethodType:  # a bound method of a registered function
+        hit = _by_id.get(id(value.__func__))
+        return hit[1] if hit is not None and hit[0] is value.__func__ else None
     if _by_class and isinstance(value, type):
         for k, b in _by_class:
             if issubclass(value, k):

@@ -1,0 +1,129 @@
+"""Stable identities, distributed causes and fixes for graph breaks.
+
+A break's identity is ``gb_type | file:line | function`` with ``file`` made
+independent of the machine (:func:`normalize_path`), so two runs, two
+checkouts or two torch releases name the same break the same way.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Sequence
+
+import torch
+
+from .. import graph_breaks
+
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+_SITE = re.compile(r".*[/\\](?:site|dist)-packages[/\\]")
+
+# Our own gb_types, and stock paths and words that mean distributed code.
+PLUGIN_GB_TYPES = frozenset(t.gb_type for t in graph_breaks.ALL)
+_DIST_PATH = re.compile(r"torch[/\\]distributed[/\\]")
+_DIST_WORDS = re.compile(
+    r"ProcessGroup|DeviceMesh|DTensor|torch\.distributed|_c10d|c10d|all_gather_object|FSDP|fully_shard|Placement|funcol"
+)
+
+
+def normalize_path(path: str, *, cwd: str | None = None) -> str:
+    """``path`` relative to ``cwd`` when under it, else from after ``site-packages/``, else as is."""
+    if not path or path.startswith("<"):
+        return path
+    cwd = cwd or os.getcwd()
+    ap = os.path.abspath(path)
+    if ap.startswith(cwd.rstrip(os.sep) + os.sep):
+        return os.path.relpath(ap, cwd)
+    m = _SITE.match(ap)
+    if m:
+        return ap[m.end() :]
+    return ap
+
+
+def is_torch_file(path: str) -> bool:
+    """Whether ``path`` (absolute or normalized) is part of torch itself."""
+    return path.startswith(_TORCH_DIR) or path.startswith("torch" + os.sep)
+
+
+def user_frame_index(files: Sequence[str]) -> int:
+    """Index of the deepest frame outside torch (the line the user wrote), else the deepest."""
+    for i in range(len(files) - 1, -1, -1):
+        if not is_torch_file(files[i]) and not files[i].startswith("<"):
+            return i
+    return len(files) - 1
+
+
+def is_distributed_cause(gb_type: str, files: Sequence[str], text: str = "") -> bool:
+    """Whether a break comes from distributed code: our gb_types, torch.distributed frames, or its objects."""
+    if gb_type in PLUGIN_GB_TYPES or gb_type.startswith("dynamo_ext:"):
+        return True
+    if any(_DIST_PATH.search(f) for f in files):
+        return True
+    return bool(_DIST_WORDS.search(text))
+
+
+def break_id(gb_type: str, file: str, line: int, function: str) -> str:
+    """The stable identity of a break."""
+    return f"{gb_type} | {file}:{line} | {function}"
+
+
+# ---- fixes -------------------------------------------------------------------------
+# (pattern over gb_type + context + source + stack files, fix); first match wins.
+_FIXES: tuple[tuple[re.Pattern[str], str], ...] = tuple(
+    (re.compile(p, re.I | re.S), fix)
+    for p, fix in (
+        (
+            r"_object\b|object collective",
+            "Object collectives (all_gather_object, broadcast_object_list, ...) pickle Python objects and "
+            "exchange sizes first; move the call out of the compiled function, or send tensors with "
+            "all_gather_into_tensor / broadcast.",
+        ),
+        (
+            r"async_op\s*=\s*True|\bWork\b|\.wait\(\)",
+            "async_op=True returns a c10d Work handle that stock Dynamo cannot trace: call the functional "
+            "collective (torch.distributed._functional_collectives.all_reduce(...), then .wait() or use the result), "
+            "or install dynamo-ext (dynamo_ext.install()), which traces async_op=True into it.",
+        ),
+        (
+            r"\bbarrier\b",
+            "A barrier orders nothing inside a graph: collectives in a compiled graph already run in program order "
+            "on every rank. Remove it from the compiled function, or call it before/after the compiled call.",
+        ),
+        (
+            r"new_group|init_device_mesh|new_subgroups|process group creation|split_group",
+            "Creating process groups or meshes is a rendezvous with global side effects; create them once before "
+            "compiling and pass them in or close over them.",
+        ),
+        (
+            r"fsdp|fully_shard|FSDPParam",
+            "FSDP2's hooks run eagerly around compiled regions: compile each transformer block "
+            "(torch.compile(block) before fully_shard) so the hooks sit between graphs, and enable compiled "
+            "autograd (torch._dynamo.config.compiled_autograd = True) so the backward hooks are traced.",
+        ),
+        (
+            r"DTensor|redistribute|from_local|to_local|Placement|Shard\(|Replicate\(",
+            "Stock Dynamo does not model this DTensor call: install dynamo-ext (dynamo_ext.install()), or do the "
+            "DTensor conversion (from_local/to_local/redistribute with constant placements) outside the compiled "
+            "function.",
+        ),
+        (
+            r"ProcessGroup|DeviceMesh|get_rank|get_world_size|get_group_rank",
+            "Reading this from a process group or mesh is not modelled by stock Dynamo: install dynamo-ext "
+            "(dynamo_ext.install()), or read the value outside the compiled function and pass it in.",
+        ),
+    )
+)
+
+
+def fix_for(gb_type: str, text: str, hints: Sequence[str], distributed: bool) -> str:
+    """A concrete fix: ours for distributed causes, else Dynamo's first hint."""
+    for t in graph_breaks.ALL:
+        if t.gb_type == gb_type:
+            return " ".join(t.hints)
+    if distributed:
+        haystack = f"{gb_type}\n{text}"
+        for pattern, fix in _FIXES:
+            if pattern.search(haystack):
+                return fix
+        return "A distributed object or call stock Dynamo cannot trace: install dynamo-ext (dynamo_ext.install())."
+    return hints[0] if hints else ""

@@ -1,0 +1,238 @@
+"""Merge the event streams of every rank into one :class:`AuditReport`.
+
+NOTE [impact and hang risk]
+A break's impact is ``occurrences x ranks affected + graphs split +
+2 x recompiles caused``: every occurrence splits a graph on its rank, and a
+recompile of the resume function that follows the break costs a full compile.
+A break, graph or recompile that some finished ranks have and others do not
+(or have a different number of times, or with different ops) is a hang risk:
+ranks whose graphs differ issue different collectives and can deadlock.
+"""
+
+from __future__ import annotations
+
+import linecache
+import re
+from collections import defaultdict
+from typing import Any
+
+import torch
+
+from .identity import break_id, fix_for
+from .records import AuditReport, Frame, Graph, GraphBreak, RankSummary, Recompile
+
+_RESUME = re.compile(r"^torch_dynamo_resume_in_(.+)_at_(\d+)$")
+_CID_PREFIX = re.compile(r"^\s*!?[\d/]+:\s*", re.M)
+
+
+def _snippet(path: str, line: int, context: int = 3) -> tuple[tuple[int, str], ...]:
+    if not path or line <= 0:
+        return ()
+    out = []
+    for n in range(max(1, line - context), line + context + 1):
+        text = linecache.getline(path, n)
+        if not text and n > line:
+            break
+        out.append((n, text.rstrip("\n")))
+    return tuple(out)
+
+
+def _phase(phases: set[str]) -> str:
+    return "+".join(p for p in ("forward", "backward") if p in phases) or "forward"
+
+
+def _reference_ranks(events_by_rank: dict[int, list[dict[str, Any]]], statuses: dict[int, dict[str, Any]]) -> set[int]:
+    ok = {r for r, s in statuses.items() if s.get("status") == "ok"}
+    return ok or set(events_by_rank)
+
+
+def merge(
+    events_by_rank: dict[int, list[dict[str, Any]]],
+    *,
+    target: str,
+    world_size: int,
+    backend: str,
+    statuses: dict[int, dict[str, Any]] | None = None,
+    errors: tuple[str, ...] = (),
+) -> AuditReport:
+    """One report from every rank's events.
+
+    ``statuses[rank]`` may give ``status`` (ok/error/died/timeout), ``error`` and
+    ``log``; a rank without one is ``ok`` when it sent an ``end`` event, else
+    ``died``.
+    """
+    statuses = dict(statuses or {})
+    for r in range(world_size):
+        evs = events_by_rank.get(r, [])
+        st = statuses.setdefault(r, {})
+        if "status" not in st:
+            err = next((e for e in evs if e["ev"] == "error"), None)
+            ended = any(e["ev"] == "end" for e in evs)
+            st["status"] = "error" if err else ("ok" if ended else "died")
+        if not st.get("error"):
+            err = next((e for e in evs if e["ev"] == "error"), None)
+            if err:
+                st["error"] = err["message"]
+    ref = _reference_ranks(events_by_rank, statuses)
+    multi = len(ref) > 1
+
+    # ---- recompiles (needed first: breaks count the recompiles they cause) ----
+    rec_groups: dict[str, dict[str, Any]] = {}
+    resume_recompiles: dict[tuple[str, int], int] = defaultdict(int)
+    for rank, evs in sorted(events_by_rank.items()):
+        for e in evs:
+            if e["ev"] != "compile" or not e.get("recompile_reason"):
+                continue
+            reason = _CID_PREFIX.sub("", str(e["recompile_reason"])).strip()
+            rid = f"{e['file']}:{e['line']} {e['function']} | {reason}"
+            g = rec_groups.setdefault(rid, {"e": e, "reason": reason, "counts": defaultdict(int)})
+            g["counts"][rank] += 1
+            m = _RESUME.match(e.get("code_name", ""))
+            if m:
+                resume_recompiles[(e["file"], int(m.group(2)))] += 1
+    recompiles = tuple(
+        Recompile(
+            id=rid,
+            function=g["e"]["function"],
+            file=g["e"]["file"],
+            line=int(g["e"]["line"]),
+            reason=g["reason"],
+            ranks=tuple(sorted(g["counts"])),
+            count_by_rank=tuple(sorted(g["counts"].items())),
+            hang_risk=multi and _divergent(g["counts"], ref),
+        )
+        for rid, g in rec_groups.items()
+    )
+    recompiles = tuple(sorted(recompiles, key=lambda r: (-r.count, r.id)))
+
+    # ---- graph breaks ---------------------------------------------------------------
+    groups: dict[str, dict[str, Any]] = {}
+    for rank, evs in sorted(events_by_rank.items()):
+        for e in evs:
+            if e["ev"] != "break":
+                continue
+            stack = e["stack"]
+            idx = min(max(int(e.get("user_index", len(stack) - 1)), 0), len(stack) - 1)
+            file, line, function, _ = stack[idx]
+            bid = break_id(e["gb_type"], file, int(line), function)
+            g = groups.setdefault(bid, {"e": e, "idx": idx, "counts": defaultdict(int), "phases": set()})
+            g["counts"][rank] += 1
+            g["phases"].add(e.get("phase", "forward"))
+    breaks = []
+    for bid, g in groups.items():
+        e, idx = g["e"], g["idx"]
+        frames = tuple(Frame(str(f[0]), int(f[1]), str(f[2]), str(f[3])) for f in e["stack"])
+        user = frames[idx]
+        counts = dict(g["counts"])
+        caused = sum(n for (file, line), n in resume_recompiles.items() if any(f.file == file and f.line == line for f in frames))
+        occurrences = sum(counts.values())
+        text = "\n".join([e.get("context", ""), e.get("explanation", ""), e.get("reason", ""), *(f"{f.file} {f.source}" for f in frames)])
+        breaks.append(
+            GraphBreak(
+                id=bid,
+                kind=e["kind"],
+                gb_type=e["gb_type"],
+                file=user.file,
+                line=user.line,
+                function=user.function,
+                source=user.source,
+                reason=e.get("reason", ""),
+                explanation=e.get("explanation", ""),
+                hints=tuple(e.get("hints", ())),
+                fix=fix_for(e["gb_type"], text, e.get("hints", ()), bool(e["distributed"])),
+                distributed=bool(e["distributed"]),
+                phase=_phase(g["phases"]),
+                ranks=tuple(sorted(counts)),
+                count_by_rank=tuple(sorted(counts.items())),
+                stack=frames,
+                snippet=_snippet(e.get("abs_file", user.file), user.line),
+                recompiles_caused=caused,
+                hang_risk=multi and _divergent(counts, ref),
+                impact=occurrences * len(counts) + occurrences + 2 * caused,
+            )
+        )
+    breaks.sort(key=lambda b: (-b.impact, not b.distributed, b.id))
+
+    # ---- graphs --------------------------------------------------------------------
+    ggroups: dict[str, dict[str, Any]] = {}
+    for rank, evs in sorted(events_by_rank.items()):
+        seen: dict[tuple[str, int, str], int] = defaultdict(int)
+        for e in evs:
+            if e["ev"] != "compile" or not e.get("has_graph"):
+                continue
+            key = (e["file"], int(e["line"]), e["function"])
+            n = seen[key]
+            seen[key] += 1
+            gid = f"{e['file']}:{e['line']} {e['function']} #{n}"
+            g = ggroups.setdefault(gid, {"e": e, "ops": {}, "colls": {}, "time": 0.0})
+            g["ops"][rank] = int(e["op_count"])
+            g["colls"][rank] = (tuple(sorted(e["collectives"].items())), tuple(sorted(e["backward_collectives"].items())))
+            g["time"] = max(g["time"], float(e.get("time_s") or 0.0))
+    graphs = []
+    for gid, g in ggroups.items():
+        e = g["e"]
+        colls = next(iter(g["colls"].values()))
+        differ = len(set(g["ops"].values())) > 1 or len(set(g["colls"].values())) > 1
+        graphs.append(
+            Graph(
+                id=gid,
+                function=e["function"],
+                file=e["file"],
+                line=int(e["line"]),
+                phase=e.get("phase", "forward"),
+                ranks=tuple(sorted(g["ops"])),
+                op_count_by_rank=tuple(sorted(g["ops"].items())),
+                collectives=colls[0],
+                backward_collectives=colls[1],
+                compile_time_s=round(g["time"], 4),
+                hang_risk=multi and (differ or _divergent(dict.fromkeys(g["ops"], 1), ref)),
+            )
+        )
+
+    # ---- ranks ------------------------------------------------------------------
+    ranks = []
+    plugin: dict[str, Any] = {}
+    for r in range(world_size):
+        evs = events_by_rank.get(r, [])
+        start = next((e for e in evs if e["ev"] == "start"), {})
+        plugin = plugin or dict(start.get("plugin", {}))
+        end = next((e for e in evs if e["ev"] == "end"), None)
+        counters = (end or {}).get("counters", {})
+        st = statuses[r]
+        ranks.append(
+            RankSummary(
+                rank=r,
+                status=st["status"],
+                error=st.get("error", "") or "",
+                graph_breaks=sum(1 for e in evs if e["ev"] == "break" and e["kind"] == "graph_break"),
+                frame_skips=sum(1 for e in evs if e["ev"] == "break" and e["kind"] == "frame_skip"),
+                graphs=sum(1 for e in evs if e["ev"] == "compile" and e.get("has_graph")),
+                recompiles=sum(1 for e in evs if e["ev"] == "compile" and e.get("recompile_reason")),
+                compile_time_s=round(sum(float(e.get("time_s") or 0.0) for e in evs if e["ev"] == "compile"), 4),
+                dynamo_graph_breaks=counters.get("graph_break") if end else None,
+                dynamo_unique_graphs=counters.get("unique_graphs") if end else None,
+                log=st.get("log", "") or "",
+            )
+        )
+    internal = tuple(
+        f"rank {r}: {e['message']}" for r, evs in sorted(events_by_rank.items()) for e in evs if e["ev"] == "internal"
+    )
+    return AuditReport(
+        target=target,
+        world_size=world_size,
+        backend=backend,
+        torch_version=torch.__version__,
+        plugin=plugin or {"installed": False, "version": "", "error": "no rank started"},
+        graph_breaks=tuple(breaks),
+        graphs=tuple(graphs),
+        recompiles=recompiles,
+        ranks=tuple(ranks),
+        errors=tuple(errors) + internal,
+    )
+
+
+def _divergent(counts: dict[int, int], ref: set[int]) -> bool:
+    """Some reference rank lacks it, or the reference ranks have it a different number of times."""
+    if not ref <= set(counts):
+        return True
+    return len({counts[r] for r in ref}) > 1

@@ -1,0 +1,174 @@
+"""The terminal report (rich tables); ``str(report)`` is the same without colour."""
+
+from __future__ import annotations
+
+import io
+
+from rich import box
+from rich.console import Console, Group
+from rich.markup import escape
+from rich.table import Table
+from rich.text import Text
+
+from .records import AuditReport, GraphBreak
+
+_NONE = "-"
+
+
+def _ranks(ranks: tuple[int, ...], world: int) -> str:
+    if world and tuple(ranks) == tuple(range(world)):
+        return "all"
+    return ",".join(map(str, ranks))
+
+
+def _counts(b: GraphBreak | None) -> str:
+    if b is None:
+        return _NONE
+    ns = {n for _, n in b.count_by_rank}
+    return str(next(iter(ns))) + "/rank" if len(ns) == 1 else " ".join(f"r{r}:{n}" for r, n in b.count_by_rank)
+
+
+def _summary(report: AuditReport) -> Table:
+    runs = [("stock", report.stock), ("plugin" if report.plugin.get("installed") else "run", report)]
+    runs = [(name, r) for name, r in runs if r is not None]
+    t = Table(title="Summary (per rank, worst rank)", box=box.SIMPLE_HEAVY, title_justify="left")
+    t.add_column("")
+    for name, _ in runs:
+        t.add_column(name, justify="right")
+    rows = [
+        ("graph breaks", lambda r: max((x.graph_breaks for x in r.ranks), default=0)),
+        ("frame skips", lambda r: max((x.frame_skips for x in r.ranks), default=0)),
+        ("  forward", lambda r: sum(1 for b in r.graph_breaks if "forward" in b.phase)),
+        ("  backward", lambda r: sum(1 for b in r.graph_breaks if "backward" in b.phase)),
+        ("  distributed", lambda r: sum(1 for b in r.graph_breaks if b.distributed)),
+        ("graphs", lambda r: max((x.graphs for x in r.ranks), default=0)),
+        ("recompiles", lambda r: r.total_recompiles),
+        ("compile time (s)", lambda r: f"{max((x.compile_time_s for x in r.ranks), default=0.0):.2f}"),
+        ("hang risks", lambda r: len(r.hang_risks)),
+        ("ranks ok", lambda r: f"{sum(x.status == 'ok' for x in r.ranks)}/{r.world_size}"),
+    ]
+    for label, fn in rows:
+        t.add_row(label + (" (distinct)" if label.startswith("  ") else ""), *(str(fn(r)) for _, r in runs))
+    return t
+
+
+def _breaks(report: AuditReport) -> Table | Text:
+    stock = {b.id: b for b in report.stock.graph_breaks} if report.stock else {}
+    ids = [b.id for b in report.graph_breaks] + [i for i in stock if i not in {b.id for b in report.graph_breaks}]
+    if not ids:
+        return Text("No graph breaks.", style="green")
+    mine = {b.id: b for b in report.graph_breaks}
+    t = Table(title="Graph breaks, by impact", box=box.SIMPLE_HEAVY, title_justify="left", show_lines=True)
+    t.add_column("#", justify="right")
+    t.add_column("impact", justify="right")
+    t.add_column("where", overflow="fold")
+    t.add_column("gb_type / fix", overflow="fold", ratio=3)
+    t.add_column("ranks")
+    if report.stock is not None:
+        t.add_column("stock", justify="right")
+        t.add_column("plugin", justify="right")
+    else:
+        t.add_column("count", justify="right")
+    t.add_column("phase")
+    for n, bid in enumerate(ids, 1):
+        b = mine.get(bid) or stock[bid]
+        where = Text(f"{b.location}\n{b.function}()\n")
+        where.append(b.source, style="cyan")
+        what = Text(b.gb_type, style="bold")
+        if b.kind == "frame_skip":
+            what.append("  [frame skipped]", style="yellow")
+        if b.distributed:
+            what.append("  [distributed]", style="magenta")
+        if b.hang_risk:
+            what.append("  [HANG RISK: ranks diverge]", style="bold red")
+        fix = b.fix or (b.hints[0] if b.hints else "")
+        if fix:
+            what.append(f"\nfix: {fix}")
+        counts = [_counts(stock.get(bid)), _counts(mine.get(bid))] if report.stock is not None else [_counts(b)]
+        t.add_row(str(n), str(b.impact), where, what, _ranks(b.ranks, report.world_size), *counts, b.phase)
+    return t
+
+
+def _recompiles(report: AuditReport) -> Table | None:
+    if not report.recompiles:
+        return None
+    t = Table(title="Recompiles (failed guard, in words)", box=box.SIMPLE_HEAVY, title_justify="left")
+    t.add_column("function")
+    t.add_column("where")
+    t.add_column("reason", overflow="fold", ratio=3)
+    t.add_column("ranks")
+    t.add_column("count", justify="right")
+    for r in report.recompiles:
+        reason = Text(r.reason)
+        if r.hang_risk:
+            reason.append("  [HANG RISK]", style="bold red")
+        t.add_row(r.function, f"{r.file}:{r.line}", reason, _ranks(r.ranks, report.world_size), str(r.count))
+    return t
+
+
+def _graphs(report: AuditReport) -> Table | None:
+    if not report.graphs:
+        return None
+    t = Table(title="Graphs", box=box.SIMPLE_HEAVY, title_justify="left")
+    t.add_column("graph", overflow="fold")
+    t.add_column("phase")
+    t.add_column("ops", justify="right")
+    t.add_column("collectives fwd / bwd", overflow="fold")
+    t.add_column("ranks")
+    for g in report.graphs:
+        colls = ", ".join(f"{k}x{v}" for k, v in g.collectives) or _NONE
+        bcolls = ", ".join(f"{k}x{v}" for k, v in g.backward_collectives) or _NONE
+        ops = str(g.op_count) if len({n for _, n in g.op_count_by_rank}) <= 1 else str(dict(g.op_count_by_rank))
+        label = Text(g.id)
+        if g.hang_risk:
+            label.append("  [HANG RISK]", style="bold red")
+        t.add_row(label, g.phase, ops, f"{colls} / {bcolls}", _ranks(g.ranks, report.world_size))
+    return t
+
+
+def _ranks_table(report: AuditReport) -> Table:
+    t = Table(title="Ranks", box=box.SIMPLE_HEAVY, title_justify="left")
+    for c in ("rank", "status", "breaks", "skips", "graphs", "recompiles", "compile s", "counters"):
+        t.add_column(c)
+    for r in report.ranks:
+        check = _NONE if r.dynamo_graph_breaks is None else ("ok" if r.dynamo_graph_breaks == r.graph_breaks else f"MISMATCH ({r.dynamo_graph_breaks})")
+        status = Text(r.status, style="green" if r.status == "ok" else "bold red")
+        t.add_row(str(r.rank), status, str(r.graph_breaks), str(r.frame_skips), str(r.graphs), str(r.recompiles), f"{r.compile_time_s:.2f}", check)
+    return t
+
+
+def renderables(report: AuditReport) -> Group:
+    """Everything the terminal report shows, top to bottom."""
+    plugin = report.plugin
+    head = Text(f"dynamo-ext audit: {report.target}", style="bold")
+    head.append(
+        f"\n{report.world_size} rank(s), backend {report.backend or 'as in the target'}, torch {report.torch_version}, "
+        f"plugin {'installed' if plugin.get('installed') else 'not installed'}"
+        + (f" (stock run for comparison)" if report.stock is not None else "")
+    )
+    if plugin.get("error"):
+        head.append(f"\nplugin: {plugin['error']}", style="yellow")
+    parts: list = [head, _summary(report), _breaks(report)]
+    for extra in (_recompiles(report), _graphs(report)):
+        if extra is not None:
+            parts.append(extra)
+    parts.append(_ranks_table(report))
+    risks = report.hang_risks
+    if risks:
+        parts.append(Text("HANG RISK - ranks diverge:\n" + "\n".join(f"  {escape(x)}" for x in risks), style="bold red"))
+    for rep, label in ((report.stock, "stock run"), (report, "")):
+        if rep is not None and rep.errors:
+            parts.append(Text("\n".join(f"error{' (' + label + ')' if label else ''}: {e}" for e in rep.errors), style="bold red"))
+    return Group(*parts)
+
+
+def render_text(report: AuditReport, *, width: int = 120) -> str:
+    """The report as plain text (no colour, fixed width)."""
+    buf = io.StringIO()
+    Console(file=buf, width=width, no_color=True, color_system=None, force_terminal=False, highlight=False).print(renderables(report))
+    return "\n".join(line.rstrip() for line in buf.getvalue().splitlines()) + "\n"
+
+
+def print_report(report: AuditReport, console: Console | None = None) -> None:
+    """Print the report to the terminal (colour when it is one)."""
+    (console or Console(highlight=False)).print(renderables(report))

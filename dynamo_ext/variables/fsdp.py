@@ -1,0 +1,113 @@
+"""FSDP2 (``fully_shard``) forward hooks traced into the graph.
+
+FSDP2 marks its module hooks ``torch._dynamo.disable`` (``_dynamo_disable`` in
+torch/distributed/fsdp/_fully_shard/_fsdp_common.py), so stock Dynamo breaks
+the graph at every FSDP module.  We trace, in their place, what the hooks do
+to the numbers of a forward pass:
+
+- pre-forward: each parameter's local shard is all-gathered over the shard
+  mesh axis (a functional collective, with autograd: its backward is a
+  reduce-scatter), the padding FSDP adds to dim 0 is cut off, and the
+  unsharded tensor is set on the module as the parameter, as
+  ``FSDPParam.to_unsharded`` does;
+- post-forward: the sharded parameter is set back, as ``FSDPParam.to_sharded``
+  does.
+
+Lazy initialisation (choosing the root, building param groups) runs once at
+trace time on the real FSDP state, as the root's first eager pre-forward would.
+Streams, prefetching and memory reuse are eager-only concerns: inside a graph
+the scheduler and Inductor order the collectives.  Backward hooks (gradient
+reduce-scatter through FSDP's own post-backward) are not traced here.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .. import _compat, graph_breaks
+from .functions import register_polyfill
+
+
+def _all_gather_autograd() -> Any:
+    import torch.distributed._functional_collectives as funcol
+
+    # all_gather_tensor_autograd: backward is a reduce-scatter (sum).
+    return getattr(funcol, "all_gather_tensor_autograd", funcol.all_gather_tensor)
+
+
+def unshard_param(fsdp_param: Any) -> Any:
+    """The unsharded parameter of one ``FSDPParam``: ``orig_size``, ``param_dtype`` or its own dtype.
+
+    Gathers ``sharded_param``'s local tensor (shape ``[ceil(d0 / W), ...]`` after
+    padding, W = shard world size) along dim 0 over the shard group, then keeps
+    the first ``orig_size[0]`` rows.
+    """
+    import torch
+    import torch.nn.functional as F  # noqa: N812
+
+    local = fsdp_param.sharded_param.to_local()
+    if fsdp_param.param_dtype is not None:
+        local = local.to(fsdp_param.param_dtype)
+    padded_rows = fsdp_param.padded_sharded_param_size[0]
+    if local.size(0) < padded_rows:
+        pad = [0, 0] * (local.dim() - 1) + [0, padded_rows - local.size(0)]
+        local = F.pad(local, pad)
+    group = fsdp_param.mesh_info.shard_process_group
+    full = _all_gather_autograd()(local.contiguous(), 0, group)
+    size = fsdp_param._orig_size
+    return torch.narrow(full, 0, 0, size[0]).reshape(size)
+
+
+def _set_param(fsdp_param: Any, tensor: Any) -> None:
+    # Write the module's parameter dict directly, like FSDP's unsafe_setattr_param
+    # fast path: the unsharded value is a graph tensor, not an nn.Parameter.
+    info = fsdp_param._module_info
+    info.module._parameters[info.param_name] = tensor
+    for module, name in zip(info.shared_modules, info.shared_param_names):
+        module._parameters[name] = tensor
+
+
+def pre_forward(state: Any, module: Any, args: Any, kwargs: Any) -> Any:
+    """Traceable ``FSDPState._pre_forward``: unshard every parameter of the state's groups."""
+    args, kwargs = state._cast_forward_inputs(args, kwargs)
+    for group in state._fsdp_param_groups:
+        for fsdp_param in group.fsdp_params:
+            _set_param(fsdp_param, unshard_param(fsdp_param))
+    return args, kwargs
+
+
+def post_forward(state: Any, module: Any, input: Any, output: Any) -> Any:
+    """Traceable ``FSDPState._post_forward``: put the sharded parameters back."""
+    for group in state._fsdp_param_groups:
+        for fsdp_param in group.fsdp_params:
+            _set_param(fsdp_param, fsdp_param.sharded_param)
+    return state._cast_output_dtype(output) if hasattr(state, "_cast_output_dtype") else output
+
+
+def _check_state(tx: Any, args: list[Any], kwargs: dict[str, Any]) -> None:
+    """Lazy-init the real FSDP state at trace time; refuse layouts we do not gather."""
+    state = getattr(args[0], "value", None)
+    if state is None:
+        graph_breaks.graph_break(
+            graph_breaks.UNSUPPORTED_ATTRIBUTE, "FSDP hook called on an FSDP state created inside the compiled function"
+        )
+    if getattr(state, "_is_root", False) is None:
+        state._lazy_init()
+    for group in state._fsdp_param_groups:
+        for p in group.fsdp_params:
+            if p.fsdp_placement.dim != 0 or getattr(p, "is_dtensor", False):
+                graph_breaks.graph_break(
+                    graph_breaks.UNSUPPORTED_ATTRIBUTE,
+                    f"fully_shard parameter {p._module_info.param_name!r} with {p.fsdp_placement} "
+                    f"(dtensor param: {getattr(p, 'is_dtensor', False)})",
+                    extra_hints=("dynamo-ext traces FSDP2 forward for Shard(0) parameters on a plain mesh.",),
+                )
+
+
+def register() -> None:
+    """Trace FSDP2's forward hooks when this torch release has FSDP2."""
+    state_cls = _compat.optional_attr("torch.distributed.fsdp._fully_shard._fsdp_state", "FSDPState")
+    if state_cls is None:
+        return
+    register_polyfill(state_cls.__dict__["_pre_forward"], pre_forward, check=_check_state)
+    register_polyfill(state_cls.__dict__["_post_forward"], post_forward, check=_check_state)
