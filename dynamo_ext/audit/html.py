@@ -80,7 +80,9 @@ def _break_rows(report: AuditReport) -> list[str]:
         stack = "\n".join(f"{escape(f.file)}:{f.line} in {escape(f.function)}\n    {escape(f.source)}" for f in b.stack)
         hints = "".join(f"<li>{escape(h)}</li>" for h in b.hints)
         if report.stock is not None:
-            count_cells = f'<td class="num">{_counts(stock.get(bid))[0]}</td><td class="num">{_counts(mine.get(bid))[0]}</td>'
+            count_cells = (
+                f'<td class="num">{_counts(stock.get(bid))[0]}</td><td class="num">{_counts(mine.get(bid))[0]}</td>'
+            )
         else:
             c, per = _counts(b)
             count_cells = f'<td class="num" data-sort="{c}">{c}<br><span class="meta">{escape(per)}</span></td>'

@@ -124,9 +124,18 @@ def merge(
         frames = tuple(Frame(str(f[0]), int(f[1]), str(f[2]), str(f[3])) for f in e["stack"])
         user = frames[idx]
         counts = dict(g["counts"])
-        caused = sum(n for (file, line), n in resume_recompiles.items() if any(f.file == file and f.line == line for f in frames))
+        caused = sum(
+            n for (file, line), n in resume_recompiles.items() if any(f.file == file and f.line == line for f in frames)
+        )
         occurrences = sum(counts.values())
-        text = "\n".join([e.get("context", ""), e.get("explanation", ""), e.get("reason", ""), *(f"{f.file} {f.source}" for f in frames)])
+        text = "\n".join(
+            [
+                e.get("context", ""),
+                e.get("explanation", ""),
+                e.get("reason", ""),
+                *(f"{f.file} {f.source}" for f in frames),
+            ]
+        )
         breaks.append(
             GraphBreak(
                 id=bid,
@@ -166,7 +175,10 @@ def merge(
             gid = f"{e['file']}:{e['line']} {e['function']} #{n}"
             g = ggroups.setdefault(gid, {"e": e, "ops": {}, "colls": {}, "time": 0.0})
             g["ops"][rank] = int(e["op_count"])
-            g["colls"][rank] = (tuple(sorted(e["collectives"].items())), tuple(sorted(e["backward_collectives"].items())))
+            g["colls"][rank] = (
+                tuple(sorted(e["collectives"].items())),
+                tuple(sorted(e["backward_collectives"].items())),
+            )
             g["time"] = max(g["time"], float(e.get("time_s") or 0.0))
     graphs = []
     for gid, g in ggroups.items():

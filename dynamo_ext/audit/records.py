@@ -169,9 +169,19 @@ class AuditReport:
     @property
     def hang_risks(self) -> tuple[str, ...]:
         """One line per rank-divergent break, graph or recompile."""
-        out = [f"graph break {b.id} on ranks {list(b.ranks)} {_counts(b.count_by_rank)}" for b in self.graph_breaks if b.hang_risk]
-        out += [f"graph {g.id} on ranks {list(g.ranks)} ops {_counts(g.op_count_by_rank)}" for g in self.graphs if g.hang_risk]
-        out += [f"recompile of {r.function} ({r.reason}) on ranks {list(r.ranks)}" for r in self.recompiles if r.hang_risk]
+        out = [
+            f"graph break {b.id} on ranks {list(b.ranks)} {_counts(b.count_by_rank)}"
+            for b in self.graph_breaks
+            if b.hang_risk
+        ]
+        out += [
+            f"graph {g.id} on ranks {list(g.ranks)} ops {_counts(g.op_count_by_rank)}"
+            for g in self.graphs
+            if g.hang_risk
+        ]
+        out += [
+            f"recompile of {r.function} ({r.reason}) on ranks {list(r.ranks)}" for r in self.recompiles if r.hang_risk
+        ]
         return tuple(out)
 
     @property
@@ -234,7 +244,9 @@ def report_from_json(data: dict[str, Any]) -> AuditReport:
         raise ValueError("not a dynamo-ext audit report: expected a JSON object with a 'graph_breaks' key")
     version = data.get("schema_version", 1)
     if version > SCHEMA_VERSION:
-        raise ValueError(f"audit report schema_version {version} is newer than this dynamo-ext reads ({SCHEMA_VERSION})")
+        raise ValueError(
+            f"audit report schema_version {version} is newer than this dynamo-ext reads ({SCHEMA_VERSION})"
+        )
 
     def frames(xs: list[dict[str, Any]]) -> tuple[Frame, ...]:
         return tuple(Frame(**x) for x in xs)

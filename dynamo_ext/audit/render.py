@@ -131,9 +131,22 @@ def _ranks_table(report: AuditReport) -> Table:
     for c in ("rank", "status", "breaks", "skips", "graphs", "recompiles", "compile s", "counters"):
         t.add_column(c)
     for r in report.ranks:
-        check = _NONE if r.dynamo_graph_breaks is None else ("ok" if r.dynamo_graph_breaks == r.graph_breaks else f"MISMATCH ({r.dynamo_graph_breaks})")
+        check = (
+            _NONE
+            if r.dynamo_graph_breaks is None
+            else ("ok" if r.dynamo_graph_breaks == r.graph_breaks else f"MISMATCH ({r.dynamo_graph_breaks})")
+        )
         status = Text(r.status, style="green" if r.status == "ok" else "bold red")
-        t.add_row(str(r.rank), status, str(r.graph_breaks), str(r.frame_skips), str(r.graphs), str(r.recompiles), f"{r.compile_time_s:.2f}", check)
+        t.add_row(
+            str(r.rank),
+            status,
+            str(r.graph_breaks),
+            str(r.frame_skips),
+            str(r.graphs),
+            str(r.recompiles),
+            f"{r.compile_time_s:.2f}",
+            check,
+        )
     return t
 
 
@@ -144,7 +157,7 @@ def renderables(report: AuditReport) -> Group:
     head.append(
         f"\n{report.world_size} rank(s), backend {report.backend or 'as in the target'}, torch {report.torch_version}, "
         f"plugin {'installed' if plugin.get('installed') else 'not installed'}"
-        + (f" (stock run for comparison)" if report.stock is not None else "")
+        + (" (stock run for comparison)" if report.stock is not None else "")
     )
     if plugin.get("error"):
         head.append(f"\nplugin: {plugin['error']}", style="yellow")
@@ -155,17 +168,25 @@ def renderables(report: AuditReport) -> Group:
     parts.append(_ranks_table(report))
     risks = report.hang_risks
     if risks:
-        parts.append(Text("HANG RISK - ranks diverge:\n" + "\n".join(f"  {escape(x)}" for x in risks), style="bold red"))
+        parts.append(
+            Text("HANG RISK - ranks diverge:\n" + "\n".join(f"  {escape(x)}" for x in risks), style="bold red")
+        )
     for rep, label in ((report.stock, "stock run"), (report, "")):
         if rep is not None and rep.errors:
-            parts.append(Text("\n".join(f"error{' (' + label + ')' if label else ''}: {e}" for e in rep.errors), style="bold red"))
+            parts.append(
+                Text(
+                    "\n".join(f"error{' (' + label + ')' if label else ''}: {e}" for e in rep.errors), style="bold red"
+                )
+            )
     return Group(*parts)
 
 
 def render_text(report: AuditReport, *, width: int = 120) -> str:
     """The report as plain text (no colour, fixed width)."""
     buf = io.StringIO()
-    Console(file=buf, width=width, no_color=True, color_system=None, force_terminal=False, highlight=False).print(renderables(report))
+    Console(file=buf, width=width, no_color=True, color_system=None, force_terminal=False, highlight=False).print(
+        renderables(report)
+    )
     return "\n".join(line.rstrip() for line in buf.getvalue().splitlines()) + "\n"
 
 

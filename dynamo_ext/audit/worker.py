@@ -43,10 +43,16 @@ def is_function_target(target: str) -> bool:
 
 
 def _error_event(exc: BaseException) -> dict[str, Any]:
-    tb = traceback.extract_tb(exc.__traceback__)
-    where = next((f for f in reversed(tb) if not is_torch_file(f.filename) and __file__ != f.filename), None)
-    first = (str(exc).strip().splitlines() or [""])[0]
-    loc = f" (at {normalize_path(where.filename)}:{where.lineno})" if where else ""
+    import re
+
+    # Dynamo's errors name the traced user line under "from user code:"; the
+    # Python traceback only reaches the frame Dynamo was compiling.
+    text = str(exc)
+    frames = [(f, int(n)) for f, n in re.findall(r'File "([^"]+)", line (\d+)', text.partition("from user code:")[2])]
+    frames = frames or [(f.filename, f.lineno or 0) for f in traceback.extract_tb(exc.__traceback__)]
+    where = next((f for f in reversed(frames) if not is_torch_file(f[0]) and f[0] != __file__), None)
+    first = (text.strip().splitlines() or [""])[0]
+    loc = f" (at {normalize_path(where[0])}:{where[1]})" if where else ""
     return {
         "ev": "error",
         "type": type(exc).__name__,
@@ -137,7 +143,9 @@ def main(argv: list[str] | None = None) -> int:
             _run_script(ns.target, target_args)
     except SystemExit as e:
         if e.code not in (None, 0):
-            collector.record({"ev": "error", "type": "SystemExit", "message": f"target exited with status {e.code}", "traceback": ""})
+            collector.record(
+                {"ev": "error", "type": "SystemExit", "message": f"target exited with status {e.code}", "traceback": ""}
+            )
             status = EXIT_TARGET_FAILED
     except BaseException as e:  # the report says what the target raised
         collector.record(_error_event(e))

@@ -1,0 +1,29 @@
+"""``dynamo-ext audit``: graph breaks and recompiles of a multi-rank program, merged over ranks.
+
+    from dynamo_ext.audit import audit
+    report = audit(fn, x, backend="aot_eager")   # in-process, this rank
+    print(report)                                # the terminal report
+    report.to_json()                             # the documented JSON schema
+
+The command line (``dynamo-ext audit``, :mod:`.cli`) runs a script or a
+``module:function`` on N ranks with torch's launcher; see docs/audit.md.
+"""
+
+from .api import audit
+from .diff import BreakDiff, diff_reports, gate
+from .records import AuditReport, Frame, Graph, GraphBreak, RankSummary, Recompile, load_report, report_from_json
+
+__all__ = [
+    "AuditReport",
+    "BreakDiff",
+    "Frame",
+    "Graph",
+    "GraphBreak",
+    "RankSummary",
+    "Recompile",
+    "audit",
+    "diff_reports",
+    "gate",
+    "load_report",
+    "report_from_json",
+]

@@ -1,0 +1,202 @@
+"""``dynamo-ext audit [options] [TARGET] [-- ARGS...]`` and ``dynamo-ext audit diff OLD.json NEW.json``.
+
+Exit status: 0 when the run finished and passed the gate; 1 when a budget
+(``--max-breaks``, ``--max-recompiles``) is exceeded or a break that
+``--baseline`` does not have appears; 2 on an error (bad input, a rank that
+raised, died or hung).  Reports asked for with ``--json``/``--html`` are written
+in every case, with whatever was collected.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import sys
+
+from rich.console import Console
+
+EXIT_OK, EXIT_GATE, EXIT_ERROR = 0, 1, 2
+DEFAULT_TARGET = "dynamo_ext.audit.example_llama:main"
+BACKENDS = ("eager", "aot_eager", "inductor")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="dynamo-ext audit",
+        description="Run a distributed program on N local ranks under torch.compile (with dynamo-ext) and report "
+        "every graph break and recompile, merged over ranks.",
+        epilog="TARGET is a script path or module:function; without it, the bundled Llama TP+FSDP2 example "
+        f"({DEFAULT_TARGET}, 4 ranks). Arguments after -- go to the target. Also: dynamo-ext audit diff OLD.json NEW.json",
+    )
+    p.add_argument("target", nargs="?", default=None, metavar="TARGET")
+    p.add_argument(
+        "--nproc", type=int, default=None, help="ranks to launch (default: 4 for the bundled example, else 2)"
+    )
+    p.add_argument("--backend", choices=BACKENDS, default=None, help="override the target's torch.compile backend")
+    p.add_argument("--compare-stock", action="store_true", help="also run without the plugin and show both columns")
+    p.add_argument("--no-plugin", action="store_true", help="run stock torch only (no dynamo-ext)")
+    p.add_argument("--json", metavar="FILE", help="write the JSON report (schema: docs/audit.md)")
+    p.add_argument("--html", metavar="FILE", help="write a single-file HTML report")
+    p.add_argument(
+        "--max-breaks", type=int, default=None, metavar="K", help="exit 1 when a rank has more than K breaks"
+    )
+    p.add_argument(
+        "--max-recompiles", type=int, default=None, metavar="K", help="exit 1 when a rank recompiles more than K times"
+    )
+    p.add_argument("--baseline", metavar="FILE", help="exit 1 on a graph break that this earlier --json report lacks")
+    p.add_argument(
+        "--timeout", type=float, default=300.0, metavar="S", help="kill the ranks after S seconds (default 300)"
+    )
+    p.add_argument("--keep-logs", action="store_true", help="keep the per-rank logs (kept anyway on errors)")
+    p.add_argument("--quiet", action="store_true", help="no terminal report (files and exit status only)")
+    return p
+
+
+def _validate_target(target: str) -> str | None:
+    """Why ``target`` cannot run, in one line, or ``None``."""
+    from .worker import is_function_target, resolve_function
+
+    if is_function_target(target):
+        module, _, func = target.partition(":")
+        try:
+            spec = importlib.util.find_spec(module)
+        except (ImportError, ValueError):
+            spec = None
+        if spec is None:
+            return f"unknown module {module!r} in target {target!r} (expected a script path or module:function)"
+        try:
+            fn = resolve_function(target)
+        except AttributeError:
+            return f"module {module!r} has no function {func!r} (target {target!r})"
+        except Exception as e:
+            return f"importing {module!r} for target {target!r} failed: {type(e).__name__}: {e}"
+        if not callable(fn):
+            return f"{target!r} is not callable"
+        return None
+    if not os.path.isfile(target):
+        return f"target not found: {target!r} is neither a file nor module:function"
+    return None
+
+
+def _write(report, args: argparse.Namespace, err: Console) -> None:  # type: ignore[no-untyped-def]
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(report.to_json(), f, indent=1, default=str)
+    if args.html:
+        from .html import render_html
+
+        with open(args.html, "w", encoding="utf-8") as f:
+            f.write(render_html(report))
+
+
+def _audit(argv: list[str]) -> int:
+    target_args: list[str] = []
+    if "--" in argv:
+        i = argv.index("--")
+        argv, target_args = argv[:i], argv[i + 1 :]
+    args = _parser().parse_args(argv)
+    err = Console(stderr=True, highlight=False)
+
+    def fail(msg: str) -> int:
+        err.print(f"dynamo-ext audit: error: {msg}", markup=False, soft_wrap=True)
+        return EXIT_ERROR
+
+    target = args.target or DEFAULT_TARGET
+    nproc = args.nproc or (4 if args.target is None else 2)
+    if nproc < 1:
+        return fail(f"--nproc must be at least 1, got {nproc}")
+    if args.timeout <= 0:
+        return fail(f"--timeout must be positive, got {args.timeout:g}")
+    if args.compare_stock and args.no_plugin:
+        return fail("--compare-stock already runs without the plugin; drop --no-plugin")
+    baseline = None
+    if args.baseline:
+        from .records import load_report
+
+        try:
+            baseline = load_report(args.baseline)
+        except (OSError, ValueError) as e:
+            return fail(f"cannot read --baseline {args.baseline}: {e}")
+    why = _validate_target(target)
+    if why:
+        return fail(why)
+
+    from .diff import gate
+    from .launch import run_ranks
+    from .render import print_report
+
+    runs = (
+        [("stock", False)]
+        if args.no_plugin
+        else ([("stock", False), ("plugin", True)] if args.compare_stock else [("plugin", True)])
+    )
+    reports = {}
+    for label, plugin in runs:
+        with err.status(f"[{label}] starting {nproc} rank(s) of {target} ...") as status:
+
+            def show(progress, label=label, status=status):  # type: ignore[no-untyped-def]
+                parts = []
+                for r, p in sorted(progress.items()):
+                    state = "done" if p.done else ("FAILED" if p.failed else ("running" if p.started else "starting"))
+                    parts.append(f"r{r} {state} {p.graphs}g {p.breaks}b {p.recompiles}rc")
+                status.update(f"[{label}] " + " | ".join(parts))
+
+            reports[label] = run_ranks(
+                target, target_args, nproc=nproc, backend=args.backend, plugin=plugin, timeout=args.timeout,
+                on_progress=show, keep_logs=args.keep_logs,
+            )  # fmt: skip
+    import dataclasses
+
+    report = reports.get("plugin") or reports["stock"]
+    if "plugin" in reports and "stock" in reports:
+        report = dataclasses.replace(reports["plugin"], stock=reports["stock"])
+    _write(report, args, err)
+    if not args.quiet:
+        print_report(report)
+    errors = list(report.errors) + ([f"(stock run) {e}" for e in report.stock.errors] if report.stock else [])
+    if errors:
+        logs = sorted({r.log for r in report.ranks if r.log and r.status != "ok"})
+        suffix = f"; rank logs: {logs[0]}" + (f" (+{len(logs) - 1} more)" if len(logs) > 1 else "") if logs else ""
+        return fail(errors[0] + suffix)
+    problems = gate(report, max_breaks=args.max_breaks, max_recompiles=args.max_recompiles, baseline=baseline)
+    for p in problems:
+        err.print(f"dynamo-ext audit: gate: {p}", markup=False, soft_wrap=True)
+    return EXIT_GATE if problems else EXIT_OK
+
+
+def _diff(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="dynamo-ext audit diff", description="New, fixed and unchanged graph breaks.")
+    p.add_argument("old", metavar="OLD.json")
+    p.add_argument("new", metavar="NEW.json")
+    p.add_argument("--fail-on-new", action="store_true", help="exit 1 when NEW has a break OLD lacks")
+    args = p.parse_args(argv)
+    from .diff import diff_reports
+    from .records import load_report
+
+    try:
+        old, new = load_report(args.old), load_report(args.new)
+    except (OSError, ValueError) as e:
+        print(f"dynamo-ext audit diff: error: {e}", file=sys.stderr)
+        return EXIT_ERROR
+    d = diff_reports(old, new)
+    sys.stdout.write(str(d))
+    return EXIT_GATE if args.fail_on_new and d.new else EXIT_OK
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``dynamo-ext`` command."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print("usage: dynamo-ext audit [options] [TARGET] [-- ARGS...]\n       dynamo-ext audit diff OLD.json NEW.json\n\n"
+              "Run 'dynamo-ext audit --help' for the options.")  # fmt: skip
+        return EXIT_OK if argv else EXIT_ERROR
+    if argv[0] != "audit":
+        print(
+            f"dynamo-ext: error: unknown command {argv[0]!r}; the command is 'audit' (or 'audit diff')", file=sys.stderr
+        )
+        return EXIT_ERROR
+    if len(argv) > 1 and argv[1] == "diff":
+        return _diff(argv[2:])
+    return _audit(argv[1:])

@@ -1,0 +1,58 @@
+"""Compare two reports (``dynamo-ext audit diff``) and the CI gate (budgets, baseline)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from .records import AuditReport, GraphBreak
+
+
+@dataclasses.dataclass(frozen=True)
+class BreakDiff:
+    """Breaks by stable identity: in NEW only, in OLD only, in both."""
+
+    new: tuple[GraphBreak, ...]
+    fixed: tuple[GraphBreak, ...]
+    unchanged: tuple[GraphBreak, ...]
+
+    def __str__(self) -> str:
+        lines = []
+        for label, rows in (("new", self.new), ("fixed", self.fixed), ("unchanged", self.unchanged)):
+            lines.append(f"{label}: {len(rows)}")
+            lines += [f"  {b.id}  (ranks {','.join(map(str, b.ranks))}, x{b.count})" for b in rows]
+        return "\n".join(lines) + "\n"
+
+
+def diff_reports(old: AuditReport, new: AuditReport) -> BreakDiff:
+    """New, fixed and unchanged breaks of ``new`` relative to ``old``."""
+    old_ids = {b.id for b in old.graph_breaks}
+    new_ids = {b.id for b in new.graph_breaks}
+    return BreakDiff(
+        new=tuple(b for b in new.graph_breaks if b.id not in old_ids),
+        fixed=tuple(b for b in old.graph_breaks if b.id not in new_ids),
+        unchanged=tuple(b for b in new.graph_breaks if b.id in old_ids),
+    )
+
+
+def gate(
+    report: AuditReport,
+    *,
+    max_breaks: int | None = None,
+    max_recompiles: int | None = None,
+    baseline: AuditReport | None = None,
+) -> list[str]:
+    """Why ``report`` fails the CI gate (empty when it passes).
+
+    Budgets compare the worst rank's totals (:attr:`AuditReport.total_breaks`,
+    :attr:`AuditReport.total_recompiles`); a baseline fails the gate on any break
+    whose identity it does not have.
+    """
+    problems = []
+    if max_breaks is not None and report.total_breaks > max_breaks:
+        problems.append(f"{report.total_breaks} graph break(s) per rank, budget --max-breaks {max_breaks}")
+    if max_recompiles is not None and report.total_recompiles > max_recompiles:
+        problems.append(f"{report.total_recompiles} recompile(s) per rank, budget --max-recompiles {max_recompiles}")
+    if baseline is not None:
+        for b in diff_reports(baseline, report).new:
+            problems.append(f"new graph break not in the baseline: {b.id}")
+    return problems

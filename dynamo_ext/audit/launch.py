@@ -1,0 +1,265 @@
+"""Run a target on N local ranks with torch's own launcher and merge what they saw.
+
+The ranks are started by ``python -m torch.distributed.run --standalone``
+(torchrun: the elastic agent, c10d rendezvous on a free port), in its own
+session so a timeout can end the whole tree.  Each rank runs
+:mod:`.worker`; its stdout/stderr go to per-rank log files (torchrun's
+``--log-dir --redirects 3``) and its events to ``rank<R>.jsonl``, which this
+module reads while the ranks run (progress) and after (the report).
+
+NOTE [no stray processes]
+On a timeout the launcher's process group gets SIGTERM (torchrun forwards it
+to the ranks), then SIGKILL after a grace period; every rank wrote its pid in
+its first event, and any rank still alive after that is killed by pid (only
+if its command line is still ours).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+from .merge import merge
+from .records import AuditReport
+
+GRACE_S = 10.0
+_FAILURE = re.compile(r"rank\s*:\s*(\d+)\s*\(local_rank[^\n]*\n\s*exitcode\s*:\s*(-?\d+)")
+
+
+@dataclasses.dataclass
+class RankProgress:
+    """What the progress line shows for one rank."""
+
+    started: bool = False
+    graphs: int = 0
+    breaks: int = 0
+    recompiles: int = 0
+    done: bool = False
+    failed: bool = False
+
+
+class _Tail:
+    """Reads the complete lines appended to a file since the last call."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.pos = 0
+        self.buf = ""
+
+    def read(self) -> list[dict[str, Any]]:
+        try:
+            with open(self.path, encoding="utf-8") as f:
+                f.seek(self.pos)
+                chunk = f.read()
+                self.pos = f.tell()
+        except FileNotFoundError:
+            return []
+        self.buf += chunk
+        *lines, self.buf = self.buf.split("\n")
+        out = []
+        for line in lines:
+            if line.strip():
+                try:
+                    out.append(json.loads(line))
+                except json.JSONDecodeError:
+                    continue
+        return out
+
+
+def _alive_and_ours(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return b"dynamo_ext.audit.worker" in f.read()
+    except OSError:
+        return False
+
+
+def _kill_tree(proc: subprocess.Popen[bytes], pids: list[int]) -> None:
+    """SIGTERM the launcher's group, then SIGKILL it and any rank still alive (NOTE [no stray processes])."""
+    for sig, wait in ((signal.SIGTERM, GRACE_S), (signal.SIGKILL, 5.0)):
+        if proc.poll() is None:
+            try:
+                os.killpg(proc.pid, sig)
+            except ProcessLookupError:
+                pass
+            try:
+                proc.wait(timeout=wait)
+            except subprocess.TimeoutExpired:
+                continue
+        break
+    _reap(pids)
+
+
+def _reap(pids: list[int]) -> None:
+    deadline = time.monotonic() + 5.0
+    for pid in pids:
+        if _alive_and_ours(pid):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                continue
+    while any(_alive_and_ours(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def _rank_logs(log_dir: str, rank: int) -> str:
+    hits = sorted(glob.glob(os.path.join(log_dir, "*", "attempt_0", str(rank), "stderr.log")))
+    return hits[-1] if hits else ""
+
+
+def run_ranks(
+    target: str,
+    target_args: list[str] | tuple[str, ...] = (),
+    *,
+    nproc: int = 2,
+    backend: str | None = None,
+    plugin: bool = True,
+    timeout: float = 300.0,
+    on_progress: Callable[[dict[int, RankProgress]], None] | None = None,
+    keep_logs: bool = False,
+) -> AuditReport:
+    """Run ``target`` on ``nproc`` ranks and return the merged report (partial when something failed).
+
+    Never raises for a failure of the target: the report's ``errors`` and rank
+    statuses say what happened.
+    """
+    work = tempfile.mkdtemp(prefix="dynamo-ext-audit-")
+    logs = os.path.join(work, "logs")
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+        "--max-restarts=0", "--monitor-interval=0.1", f"--log-dir={logs}", "--redirects=3",
+        "-m", "dynamo_ext.audit.worker", "--out", work, "--target", target,
+        "--plugin" if plugin else "--no-plugin", "--", *target_args,
+    ]  # fmt: skip
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env["PYTHONUNBUFFERED"] = "1"
+    pkg_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (pkg_root, env.get("PYTHONPATH", "")) if p)
+    if backend:
+        # Dynamo's own per-graph backend override (torch/_dynamo/config.py: debug_backend_override).
+        env["TORCH_COMPILE_OVERRIDE_BACKENDS"] = f">=0:{backend}"
+    launcher_log = os.path.join(work, "launcher.log")
+    tails = {r: _Tail(os.path.join(work, f"rank{r}.jsonl")) for r in range(nproc)}
+    events: dict[int, list[dict[str, Any]]] = {r: [] for r in range(nproc)}
+    progress = {r: RankProgress() for r in range(nproc)}
+    pids: list[int] = []
+
+    def poll() -> None:
+        for r, tail in tails.items():
+            for e in tail.read():
+                events[r].append(e)
+                p = progress[r]
+                ev = e.get("ev")
+                if ev == "start":
+                    p.started = True
+                    pids.append(int(e["pid"]))
+                elif ev == "break":
+                    p.breaks += 1
+                elif ev == "compile":
+                    p.graphs += bool(e.get("has_graph"))
+                    p.recompiles += bool(e.get("recompile_reason"))
+                elif ev == "error":
+                    p.failed = True
+                elif ev == "end":
+                    p.done = True
+        if on_progress is not None:
+            on_progress(progress)
+
+    timed_out = False
+    interrupted = False
+    with open(launcher_log, "wb") as out:
+        proc = subprocess.Popen(
+            cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True
+        )
+        deadline = time.monotonic() + timeout
+        try:
+            while proc.poll() is None:
+                poll()
+                if time.monotonic() > deadline:
+                    timed_out = True
+                    _kill_tree(proc, pids)
+                    break
+                time.sleep(0.2)
+        except KeyboardInterrupt:
+            interrupted = True
+            _kill_tree(proc, pids)
+        poll()
+        _reap(pids)
+
+    with open(launcher_log, encoding="utf-8", errors="replace") as f:
+        launcher_text = f.read()
+    exit_codes = {int(r): int(c) for r, c in _FAILURE.findall(launcher_text)}
+    statuses: dict[int, dict[str, Any]] = {}
+    failed = [r for r in range(nproc) if any(e["ev"] == "error" for e in events[r])]
+    errors: list[str] = []
+    for r in range(nproc):
+        evs = events[r]
+        err = next((e for e in evs if e["ev"] == "error"), None)
+        log = _rank_logs(logs, r)
+        if err is not None:
+            statuses[r] = {"status": "error", "error": err["message"], "log": log}
+        elif any(e["ev"] == "end" for e in evs):
+            statuses[r] = {"status": "ok", "log": log}
+        elif timed_out:
+            last = evs[-1]["ev"] if evs else "nothing"
+            statuses[r] = {
+                "status": "timeout",
+                "error": f"still running after {timeout:g} s (last event: {last})",
+                "log": log,
+            }
+        elif failed:
+            statuses[r] = {
+                "status": "stopped",
+                "error": f"stopped by the launcher after rank {failed[0]} failed",
+                "log": log,
+            }
+        else:
+            code = exit_codes.get(r)
+            why = (
+                f"exit code {code}" + (f" (signal {-code})" if code is not None and code < 0 else "")
+                if code is not None
+                else "no exit status"
+            )
+            statuses[r] = {"status": "died", "error": f"rank {r} ended without finishing ({why})", "log": log}
+    if timed_out:
+        hung = [r for r, s in statuses.items() if s["status"] == "timeout"]
+        errors.append(
+            f"timeout: rank(s) {', '.join(map(str, hung)) or '?'} did not finish within {timeout:g} s; killed"
+        )
+    if interrupted:
+        errors.append("interrupted; ranks killed")
+    if failed:
+        errors.append(f"rank {failed[0]} raised {statuses[failed[0]]['error']}")
+    for s in statuses.values():
+        if s["status"] == "died":
+            errors.append(s["error"])
+    if not any(events.values()):
+        tail = [ln for ln in launcher_text.strip().splitlines() if ln.strip()][-1:] or ["(no output)"]
+        errors.append(f"no rank started; launcher said: {tail[0]}")
+    plugin_errors = {e.get("plugin", {}).get("error") for evs in events.values() for e in evs if e["ev"] == "start"} - {
+        "",
+        None,
+    }
+    errors = [e for e in errors if not any(pe in e for pe in plugin_errors)] + sorted(plugin_errors)
+
+    if errors and not keep_logs:
+        keep_logs = True  # the rank logs are what a person reads next
+    report = merge(
+        events, target=target, world_size=nproc, backend=backend or "", statuses=statuses, errors=tuple(errors)
+    )
+    if not keep_logs:
+        shutil.rmtree(work, ignore_errors=True)
+        report = dataclasses.replace(report, ranks=tuple(dataclasses.replace(r, log="") for r in report.ranks))
+    return report
