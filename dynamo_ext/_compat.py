@@ -27,11 +27,13 @@ raise_observed_exception = _exc.raise_observed_exception
 Unsupported = _exc.Unsupported
 VariableTracker = _variables.VariableTracker
 ConstantVariable = _variables.ConstantVariable
+ContextWrappingVariable = _variables.ContextWrappingVariable
 VariableBuilder = _builder.VariableBuilder
 SourcelessBuilder = _builder.SourcelessBuilder
 GuardBuilder = _guards.GuardBuilder
 install_guard = _guards.install_guard
 AttrSource = _source.AttrSource
+GlobalSource = _source.GlobalSource
 
 
 def user_function_variable(fn: Any, **kwargs: Any) -> Any:

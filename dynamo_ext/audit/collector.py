@@ -200,11 +200,20 @@ class Collector(logging.Handler):
     # ---- events ---------------------------------------------------------------
     def _on_break(self, md: dict[str, Any], payload: str) -> None:
         exc = sys.exc_info()[1]
-        kind = "frame_skip" if payload.startswith(_SKIP_PREFIX) else "graph_break"
-        msg = getattr(exc, "msg", None) or (str(exc) if exc is not None else payload)
+        skipped = payload.startswith(_SKIP_PREFIX) or bool(getattr(exc, "skip_frame", False))
+        kind = "frame_skip" if skipped else "graph_break"
+        # A wrapper such as "graph break in loop" is raised `from` the break that
+        # caused it: the identity and the fix belong to the innermost cause.
+        wrapper = getattr(exc, "gb_type", None) or ""
+        cause = exc
+        while isinstance(getattr(cause, "__cause__", None), Exception) and getattr(cause.__cause__, "gb_type", None):
+            cause = cause.__cause__
+        msg = getattr(cause, "msg", None) or (str(cause) if cause is not None else payload)
         first, explanation, hints, context = parse_message(msg)
-        gb_type = getattr(exc, "gb_type", None) or first or type(exc).__name__
-        stack = _collapse_resume(_stack_above_dynamo() + _frames(getattr(exc, "real_stack", None)))
+        gb_type = getattr(cause, "gb_type", None) or first or type(exc).__name__
+        wrapper = wrapper if wrapper and wrapper != gb_type else ""
+        real = getattr(cause, "real_stack", None) or getattr(exc, "real_stack", None)
+        stack = _collapse_resume(_stack_above_dynamo() + _frames(real))
         if not stack:
             m = re.search(r"in user code at (.+):(\d+)", payload)
             stack = [[m.group(1), int(m.group(2)), "<unknown>", ""]] if m else [["<unknown>", 0, "<unknown>", ""]]
@@ -216,6 +225,7 @@ class Collector(logging.Handler):
                 "ev": "break",
                 "kind": kind,
                 "gb_type": gb_type,
+                "wrapper": wrapper,
                 "reason": first,
                 "explanation": explanation,
                 "hints": list(hints),

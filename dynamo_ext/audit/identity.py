@@ -119,7 +119,9 @@ def fix_for(gb_type: str, text: str, hints: Sequence[str], distributed: bool) ->
     """A concrete fix: ours for distributed causes, else Dynamo's first hint."""
     for t in graph_breaks.ALL:
         if t.gb_type == gb_type:
-            return " ".join(t.hints)
+            # Ours, with the extra hints the raising tracker added; not Dynamo's generic ones.
+            own = [h for h in hints if "earlier graph break" not in h] or list(t.hints)
+            return " ".join(own)
     if distributed:
         haystack = f"{gb_type}\n{text}"
         for pattern, fix in _FIXES:

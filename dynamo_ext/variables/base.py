@@ -31,6 +31,28 @@ def _value_of(vt: Any) -> Any:
     return _NO_VALUE
 
 
+_LITERALS = (type(None), bool, int, float, str)
+
+
+def is_literal(x: Any) -> bool:
+    """Whether ``x`` is plain immutable data (None, numbers, strings, tuples/lists of them, dtypes, devices)."""
+    import torch
+
+    if isinstance(x, _LITERALS + (torch.dtype, torch.device)):
+        return True
+    return isinstance(x, tuple | list) and all(is_literal(v) for v in x)
+
+
+def _python_method(obj: Any, name: str) -> Any:
+    """The plain Python function behind ``obj.name`` when it is a regular method, else ``None``."""
+    import types
+
+    if name.startswith("__"):
+        return None
+    fn = getattr(type(obj), name, None)
+    return fn if isinstance(fn, types.FunctionType) else None
+
+
 def const_args(args: list[Any], kwargs: dict[str, Any]) -> tuple[list[Any], dict[str, Any]] | None:
     """Python values of ``args``/``kwargs`` when all are constants, else ``None``."""
     pos = [_value_of(a) for a in args]
@@ -92,10 +114,18 @@ class DistributedObjectVariable(VariableTracker):
         # object as a Python constant instead (2.11 closes over it), this is
         # never called.
         if self._stock_vt is None:
-            from .registry import stock_variable
             from torch._dynamo.symbolic_convert import InstructionTranslator
 
-            self._stock_vt = stock_variable(InstructionTranslator.current_tx(), self.value, self.source)
+            from .registry import stock_variable
+
+            tx = InstructionTranslator.current_tx()
+            source = self.source
+            if source is None and not self.IS_VALUE:
+                # Made during tracing (mesh["tp"], init_device_mesh(...)): stock
+                # builds reference objects only from a source, so give it one.
+                name = tx.output.install_global_by_id("dynamo_ext_obj", self.value)
+                source = _compat.GlobalSource(name)
+            self._stock_vt = stock_variable(tx, self.value, source)
         return self._stock_vt.as_proxy()
 
     def is_hashable(self) -> bool:
@@ -139,12 +169,16 @@ class DistributedObjectVariable(VariableTracker):
     def var_getattr(self, tx: Any, name: str) -> Any:
         if name in self.CONSTANT_ATTRS:
             return wrap_constant(tx, getattr(self.value, name))
-        if name in self.PURE_METHODS:
+        if name in self.PURE_METHODS or _python_method(self.value, name) is not None:
             from torch._dynamo.variables import GetAttrVariable
 
             return GetAttrVariable(self, name)
         if name == "__class__":
             return wrap_constant(tx, type(self.value))
+        attr = getattr(self.value, name, _NO_VALUE)
+        if attr is not _NO_VALUE and is_literal(attr):
+            # Plain data on a guarded object (e.g. a mesh's group names) is constant too.
+            return wrap_constant(tx, attr)
         graph_breaks.graph_break(
             graph_breaks.UNSUPPORTED_ATTRIBUTE,
             f"{type(self.value).__qualname__}.{name}",
@@ -156,8 +190,12 @@ class DistributedObjectVariable(VariableTracker):
             return self.richcompare_impl(tx, args[0], name)
         if name == "__hash__" and not args and self.is_hashable():
             return _compat.ConstantVariable.create(hash(self.value))
-        if name in self.PURE_METHODS or name == "__getitem__" and "__getitem__" in self.PURE_METHODS:
+        if name in self.PURE_METHODS:
             return self.call_pure_method(tx, name, args, kwargs)
+        fn = _python_method(self.value, name)
+        if fn is not None:
+            # Any other Python-level method: inline its code with self as this tracker.
+            return _compat.user_function_variable(fn).call_function(tx, [self, *args], kwargs)
         return super().call_method(tx, name, args, kwargs)
 
     def call_pure_method(self, tx: Any, name: str, args: list[Any], kwargs: dict[str, Any]) -> Any:

@@ -25,18 +25,20 @@ from . import registry
 Check = Callable[[Any, list[Any], dict[str, Any]], None]
 
 
-class PolyfilledFunctionVariable(_compat.VariableTracker):
-    """A call to ``fn`` that Dynamo traces as a call to ``impl``."""
+Handler = Callable[[Any, list[Any], dict[str, Any]], Any]
 
-    def __init__(self, fn: Callable[..., Any], impl: Callable[..., Any], check: Check | None, **kwargs: Any) -> None:
+
+class HandledFunctionVariable(_compat.VariableTracker):
+    """A call to ``fn`` that Dynamo traces as ``handler(tx, args, kwargs) -> VariableTracker``."""
+
+    def __init__(self, fn: Callable[..., Any], handler: Handler, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.fn = fn
-        self.impl = impl
-        self.check = check
+        self.handler = handler
         self.bound_self: Any = None  # the tracker of ``self`` when fn was reached as a bound method
 
     def __repr__(self) -> str:
-        return f"PolyfilledFunctionVariable({getattr(self.fn, '__qualname__', self.fn)})"
+        return f"{type(self).__name__}({getattr(self.fn, '__qualname__', self.fn)})"
 
     def python_type(self) -> type:
         return type(self.fn)
@@ -50,9 +52,7 @@ class PolyfilledFunctionVariable(_compat.VariableTracker):
     def call_function(self, tx: Any, args: list[Any], kwargs: dict[str, Any]) -> Any:
         if self.bound_self is not None:
             args = [self.bound_self, *args]
-        if self.check is not None:
-            self.check(tx, args, kwargs)
-        return _compat.user_function_variable(self.impl).call_function(tx, args, kwargs)
+        return self.handler(tx, args, kwargs)
 
     def reconstruct(self, codegen: Any) -> None:
         if self.source is not None:
@@ -62,17 +62,28 @@ class PolyfilledFunctionVariable(_compat.VariableTracker):
             codegen.append_output(codegen.create_load_global(name, add=True))
 
 
-def register_polyfill(fn: Callable[..., Any], impl: Callable[..., Any], *, check: Check | None = None) -> None:
-    """Trace ``impl`` wherever Dynamo meets ``fn``.  Raises ``ValueError`` if ``fn`` has one already."""
+def register_handler(fn: Callable[..., Any], handler: Handler) -> None:
+    """Trace calls of ``fn`` with ``handler``.  Raises ``ValueError`` if ``fn`` has one already."""
 
-    def build(tx: Any, value: Any, source: Any) -> PolyfilledFunctionVariable:
-        vt = PolyfilledFunctionVariable(fn, impl, check, source=source)
+    def build(tx: Any, value: Any, source: Any) -> HandledFunctionVariable:
+        vt = HandledFunctionVariable(fn, handler, source=source)
         if isinstance(value, types.MethodType):
             self_source = None if source is None else _compat.AttrSource(source, "__self__")
             vt.bound_self = build_variable(tx, value.__self__, self_source)
         return vt
 
     registry.register_variable(fn, build, match="identity")
+
+
+def register_polyfill(fn: Callable[..., Any], impl: Callable[..., Any], *, check: Check | None = None) -> None:
+    """Trace ``impl`` wherever Dynamo meets ``fn``.  Raises ``ValueError`` if ``fn`` has one already."""
+
+    def handler(tx: Any, args: list[Any], kwargs: dict[str, Any]) -> Any:
+        if check is not None:
+            check(tx, args, kwargs)
+        return _compat.user_function_variable(impl).call_function(tx, args, kwargs)
+
+    register_handler(fn, handler)
 
 
 def build_variable(tx: Any, value: Any, source: Any) -> Any:
@@ -89,37 +100,31 @@ def register_graph_break(fn: Callable[..., Any], kind: graph_breaks.GraphBreakTy
     def check(tx: Any, args: list[Any], kwargs: dict[str, Any]) -> None:
         graph_breaks.graph_break(kind, f"{name}(...)", extra_hints=(hint,) if hint else ())
 
-    register_polyfill(fn, fn, check=check)
+    register_handler(fn, lambda tx, args, kwargs: check(tx, args, kwargs))
 
 
-class ConstantFoldedFunctionVariable(PolyfilledFunctionVariable):
-    """A call evaluated at trace time on constant arguments; the result is a constant.
+def fold_call(fn: Callable[..., Any], tx: Any, args: list[Any], kwargs: dict[str, Any]) -> Any:
+    """Evaluate ``fn`` at trace time on constant arguments; wrap the result (sourceless)."""
+    from .base import const_args, raise_user_error, wrap_constant
 
-    For functions whose result depends only on process-group state fixed at
-    trace time (``get_rank``, ``get_world_size``, ``get_process_group_ranks``):
-    their group argument is guarded by identity, so the folded value is exact.
-    """
-
-    def call_function(self, tx: Any, args: list[Any], kwargs: dict[str, Any]) -> Any:
-        from .base import const_args, raise_user_error, wrap_constant
-
-        consts = const_args(args, kwargs)
-        if consts is None:
-            graph_breaks.graph_break(
-                graph_breaks.NON_CONSTANT_ARGUMENT,
-                f"{getattr(self.fn, '__qualname__', self.fn)}(args={args}, kwargs={kwargs})",
-            )
-        try:
-            result = self.fn(*consts[0], **consts[1])
-        except Exception as e:
-            raise_user_error(tx, e)
-        return wrap_constant(tx, result)
+    consts = const_args(args, kwargs)
+    if consts is None:
+        graph_breaks.graph_break(
+            graph_breaks.NON_CONSTANT_ARGUMENT,
+            f"{getattr(fn, '__qualname__', fn)}(args={args}, kwargs={kwargs})",
+        )
+    try:
+        result = fn(*consts[0], **consts[1])
+    except Exception as e:
+        raise_user_error(tx, e)
+    return wrap_constant(tx, result)
 
 
 def register_constant_fold(fn: Callable[..., Any]) -> None:
-    """Evaluate calls of ``fn`` at trace time (arguments must be constants or distributed objects)."""
+    """Evaluate calls of ``fn`` at trace time (arguments must be constants or distributed objects).
 
-    def build(tx: Any, value: Any, source: Any) -> ConstantFoldedFunctionVariable:
-        return ConstantFoldedFunctionVariable(fn, fn, None, source=source)
-
-    registry.register_variable(fn, build, match="identity")
+    For functions whose result depends only on state fixed at trace time
+    (``get_rank``, ``get_process_group_ranks``): their group argument is
+    guarded by identity, so the folded value is exact.
+    """
+    register_handler(fn, lambda tx, args, kwargs: fold_call(fn, tx, args, kwargs))

@@ -22,27 +22,6 @@ class PlacementVariable(DistributedObjectVariable):
     CONSTANT_ATTRS = frozenset({"dim", "reduce_op", "split_factor"})
     PURE_METHODS = frozenset({"is_shard", "is_replicate", "is_partial", "__str__", "__repr__"})
 
-    def var_getattr(self, tx: Any, name: str) -> Any:
-        # Attributes and pure methods of user subclasses (dataclass fields, helpers).
-        cls = type(self.value)
-        if name not in self.CONSTANT_ATTRS and name not in self.PURE_METHODS:
-            attr = getattr(cls, name, None)
-            if callable(attr) and not name.startswith("__"):
-                from torch._dynamo.variables import GetAttrVariable
-
-                return GetAttrVariable(self, name)
-            if hasattr(self.value, name) and not callable(attr):
-                return wrap_constant(tx, getattr(self.value, name))
-        return super().var_getattr(tx, name)
-
-    def call_method(self, tx: Any, name: str, args: list[Any], kwargs: dict[str, Any]) -> Any:
-        if name not in self.PURE_METHODS and not name.startswith("__") and callable(getattr(type(self.value), name, None)):
-            # A method of a (possibly user-written) placement: inline it with self as a constant.
-            fn = getattr(type(self.value), name)
-            return _compat.user_function_variable(fn).call_function(tx, [self, *args], kwargs)
-        return super().call_method(tx, name, args, kwargs)
-
-
 class PlacementClassVariable(DistributedObjectVariable):
     """A ``Placement`` class: calling it makes a placement at trace time."""
 

@@ -1,0 +1,170 @@
+"""The bundled audit target: a small Llama-style decoder, TP + FSDP2 on a 2-D mesh, one training step.
+
+``dynamo-ext audit`` with no TARGET runs :func:`main` on 4 ranks (gloo on CPU):
+a ``("dp", "tp")`` mesh of shape (2, 2); attention and SwiGLU MLP weights are
+split over "tp" with ``parallelize_module`` (colwise q/k/v and gate/up,
+rowwise o and down), every block and the root are sharded over "dp" with
+FSDP2 ``fully_shard``; the model is compiled with ``torch.compile`` and takes
+one forward + backward + optimizer step.
+
+Also runnable under torchrun:
+``torchrun --nproc-per-node 4 -m dynamo_ext.audit.example_llama [--compiled-autograd]``.
+Environment knobs: ``DYNAMO_EXT_EXAMPLE_BACKEND`` (default ``aot_eager``),
+``DYNAMO_EXT_EXAMPLE_COMPILED_AUTOGRAD=1`` (trace the backward, hooks
+included, with compiled autograd).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    vocab: int = 256
+    dim: int = 64
+    n_layers: int = 2
+    n_heads: int = 4
+    hidden: int = 128
+    seq: int = 16
+    batch: int = 2
+    eps: float = 1e-6
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: Config) -> None:
+        super().__init__()
+        self.head_dim = cfg.dim // cfg.n_heads
+        self.wq = nn.Linear(cfg.dim, cfg.dim, bias=False)
+        self.wk = nn.Linear(cfg.dim, cfg.dim, bias=False)
+        self.wv = nn.Linear(cfg.dim, cfg.dim, bias=False)
+        self.wo = nn.Linear(cfg.dim, cfg.dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bs, seq, _ = x.shape
+        # -1 heads: after colwise TP each rank holds n_heads / tp of them.
+        q = self.wq(x).view(bs, seq, -1, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(bs, seq, -1, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(bs, seq, -1, self.head_dim).transpose(1, 2)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(out.transpose(1, 2).reshape(bs, seq, -1))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, cfg: Config) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(cfg.dim, cfg.hidden, bias=False)
+        self.w3 = nn.Linear(cfg.dim, cfg.hidden, bias=False)
+        self.w2 = nn.Linear(cfg.hidden, cfg.dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: Config) -> None:
+        super().__init__()
+        self.attention_norm = RMSNorm(cfg.dim, cfg.eps)
+        self.attention = Attention(cfg)
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.eps)
+        self.feed_forward = FeedForward(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x))
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class Decoder(nn.Module):
+    def __init__(self, cfg: Config) -> None:
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(cfg.vocab, cfg.dim)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.dim, cfg.eps)
+        self.output = nn.Linear(cfg.dim, cfg.vocab, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers:
+            h = layer(h)
+        return self.output(self.norm(h))
+
+
+def parallelize(model: Decoder, mesh: object) -> Decoder:
+    """TP over mesh["tp"] inside each block, then FSDP2 over mesh["dp"] per block and at the root."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    tp, dp = mesh["tp"], mesh["dp"]  # type: ignore[index]
+    plan = {
+        "attention.wq": ColwiseParallel(),
+        "attention.wk": ColwiseParallel(),
+        "attention.wv": ColwiseParallel(),
+        "attention.wo": RowwiseParallel(),
+        "feed_forward.w1": ColwiseParallel(),
+        "feed_forward.w3": ColwiseParallel(),
+        "feed_forward.w2": RowwiseParallel(),
+    }
+    for block in model.layers:
+        parallelize_module(block, tp, plan)
+    for block in model.layers:
+        fully_shard(block, mesh=dp)
+    fully_shard(model, mesh=dp)
+    return model
+
+
+def main() -> None:
+    """One compiled training step on a (dp=2, tp=2) mesh; needs 4 ranks."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    created = not dist.is_initialized()
+    if created:
+        dist.init_process_group("gloo")
+    world = dist.get_world_size()
+    if world != 4:
+        raise ValueError(f"the bundled example needs 4 ranks for its (dp=2, tp=2) mesh, got {world}; use --nproc 4")
+    backend = os.environ.get("DYNAMO_EXT_EXAMPLE_BACKEND", "aot_eager")
+    if os.environ.get("DYNAMO_EXT_EXAMPLE_COMPILED_AUTOGRAD") == "1" or "--compiled-autograd" in sys.argv:
+        torch._dynamo.config.compiled_autograd = True
+
+    cfg = Config()
+    torch.manual_seed(0)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    model = parallelize(Decoder(cfg), mesh)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    compiled = torch.compile(model, backend=backend)
+
+    dp_rank = mesh["dp"].get_local_rank()
+    gen = torch.Generator().manual_seed(1234 + dp_rank)  # same batch on both tp ranks of a dp group
+    tokens = torch.randint(0, cfg.vocab, (cfg.batch, cfg.seq + 1), generator=gen)
+    logits = compiled(tokens[:, :-1])
+    loss = F.cross_entropy(logits.reshape(-1, cfg.vocab), tokens[:, 1:].reshape(-1))
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    if dist.get_rank() == 0:
+        print(f"example_llama: one step done, loss {loss.item():.4f}")
+    if created:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,45 @@
+"""Switches and thresholds for the collective-fusion passes and lowerings.
+
+Change the fields of :data:`options` before compiling; they are part of every
+pass's ``uuid()``, so Inductor's cache never serves a graph compiled under
+other settings.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass
+class LoweringOptions:
+    """What the passes fuse and where the size limits sit."""
+
+    residual_rms_norm: bool = True
+    """Fuse ``all_reduce -> wait -> add residual -> RMSNorm`` (fusion 1)."""
+
+    bucket_all_reduces: bool = True
+    """Merge independent small all-reduces of one group, dtype and reduce op (fusion 2)."""
+
+    bucket_small_bytes: int = 1 << 20
+    """Only all-reduces of at most this many bytes join a bucket."""
+
+    bucket_cap_bytes: int = 32 << 20
+    """A bucket closes before it would exceed this many bytes."""
+
+    row_fused_max_hidden: int = 1 << 16
+    """Row-fused epilogue (sum recomputed per row) only when a row has at most this many elements."""
+
+    one_shot: bool = True
+    """On CUDA with symmetric memory for the group, fuse the all-reduce itself (one-shot Triton kernel)."""
+
+    one_shot_max_bytes: int = 1 << 20
+    """Largest all-reduce input (bytes) the one-shot kernel takes; each rank reads every peer's copy."""
+
+    one_shot_max_hidden: int = 16384
+    """Largest row the one-shot kernel keeps in registers (one program per row)."""
+
+    def cache_key(self) -> str:
+        return repr(dataclasses.astuple(self))
+
+
+options = LoweringOptions()
