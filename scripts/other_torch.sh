@@ -44,7 +44,16 @@ if ! "$py" -c 'import pytest, expecttest, hypothesis, rich' 2>/dev/null; then
     "$py" -m pip install --progress-bar off pytest expecttest hypothesis rich
 fi
 # Always (re)link the editable install: the venv may have been made from another checkout.
-"$py" -m pip install --quiet --no-deps -e "$repo"
+# The build leaves dynamo_ext.egg-info/ in the work tree; remove it unless it was there before.
+had_egg_info=$([[ -d "$repo/dynamo_ext.egg-info" ]] && echo 1 || echo 0)
+pip_log=$(mktemp)
+if ! "$py" -m pip install --quiet --no-deps -e "$repo" >"$pip_log" 2>&1; then
+    cat "$pip_log"
+    rm -f "$pip_log"
+    exit 1
+fi
+rm -f "$pip_log"
+[[ $had_egg_info == 1 ]] || rm -rf "$repo/dynamo_ext.egg-info"
 
 status=0
 run() {
