@@ -44,15 +44,11 @@ def user_function_variable(fn: Any, **kwargs: Any) -> Any:
 def lambda_guard(builder: Any, guard: Any, check: Any, verbose: str) -> None:
     """Attach ``check(value) -> bool`` to the guard manager of ``guard``'s source.
 
-    ``GuardManager.add_lambda_guard(fn, verbose_code_parts[, user_stack])`` takes a
-    third argument from 2.12 on; probe by arity failure rather than version.
+    ``GuardManager.add_lambda_guard(fn, verbose_code_parts, user_stack)`` on 2.11 to 2.15.
     """
     mgr = builder.get_guard_manager(guard)
     parts = _guards.get_verbose_code_parts(verbose, guard)
-    try:
-        mgr.add_lambda_guard(check, parts, guard.user_stack)
-    except TypeError:
-        mgr.add_lambda_guard(check, parts)
+    mgr.add_lambda_guard(check, parts, guard.user_stack)
 
 
 def guard_fail_reason_owner() -> tuple[Any, str]:

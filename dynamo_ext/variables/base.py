@@ -185,6 +185,20 @@ class DistributedObjectVariable(VariableTracker):
             extra_hints=(f"Supported on a {self.KIND}: {sorted(self.CONSTANT_ATTRS | self.PURE_METHODS)}",),
         )
 
+    # torch 2.14+ renamed the tracker protocol after CPython's type slots.
+    def tp_getattro_impl(self, tx: Any, name: str) -> Any:
+        return self.var_getattr(tx, name)
+
+    def tp_richcompare_impl(self, tx: Any, other: Any, op: str) -> Any:
+        return self.richcompare_impl(tx, other, op)
+
+    def nb_bool_impl(self, tx: Any) -> Any:
+        return _compat.ConstantVariable.create(bool(self.value))
+
+    def call_obj_hasattr(self, tx: Any, name: str) -> Any:
+        # Attributes of a guarded object do not change while its guard holds.
+        return _compat.ConstantVariable.create(hasattr(self.value, name))
+
     def call_method(self, tx: Any, name: str, args: list[Any], kwargs: dict[str, Any]) -> Any:
         if name in ("__eq__", "__ne__") and len(args) == 1:
             return self.richcompare_impl(tx, args[0], name)

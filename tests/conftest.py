@@ -1,0 +1,45 @@
+"""Shared fixtures: a fake 4-rank world with the plugin installed, and Dynamo reset around each test."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from helpers import fake_world  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _reset_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+@pytest.fixture
+def plugin():
+    """The plugin installed for one test, uninstalled after it."""
+    import dynamo_ext
+
+    dynamo_ext.install()
+    try:
+        yield dynamo_ext
+    finally:
+        dynamo_ext.uninstall()
+
+
+@pytest.fixture
+def world():
+    """A fake process group of 4 ranks (this process is rank 0) and the plugin installed."""
+    import dynamo_ext
+
+    with fake_world(4):
+        dynamo_ext.install()
+        try:
+            yield
+        finally:
+            dynamo_ext.uninstall()
