@@ -209,8 +209,11 @@ class Collector(logging.Handler):
         while isinstance(getattr(cause, "__cause__", None), Exception) and getattr(cause.__cause__, "gb_type", None):
             cause = cause.__cause__
         msg = getattr(cause, "msg", None) or (str(cause) if cause is not None else payload)
+        # unimplemented(from_exc=<Unsupported>) keeps the cause only as the head of the message.
+        msg, _, _ = msg.partition("\n\n*** While handling this graph break, another graph break occurred")
         first, explanation, hints, context = parse_message(msg)
-        gb_type = getattr(cause, "gb_type", None) or first or type(exc).__name__
+        gb_type = (first if cause is exc and wrapper and first != wrapper else None) or getattr(cause, "gb_type", None)
+        gb_type = gb_type or first or type(exc).__name__
         wrapper = wrapper if wrapper and wrapper != gb_type else ""
         real = getattr(cause, "real_stack", None) or getattr(exc, "real_stack", None)
         stack = _collapse_resume(_stack_above_dynamo() + _frames(real))

@@ -72,7 +72,7 @@ def _break_rows(report: AuditReport) -> list[str]:
         b = mine.get(bid) or stock[bid]
         tags = []
         if b.kind == "frame_skip":
-            tags.append('<span class="skip">frame skipped</span>')
+            tags.append(f'<span class="skip">frame skipped{": " + escape(b.wrapper) if b.wrapper else ""}</span>')
         if b.distributed:
             tags.append('<span class="dist">distributed</span>')
         if b.hang_risk:

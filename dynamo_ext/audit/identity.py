@@ -16,6 +16,7 @@ import torch
 from .. import graph_breaks
 
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+_FX_FILE = re.compile(r"<eval_with_key>\.\d+")
 _SITE = re.compile(r".*[/\\](?:site|dist)-packages[/\\]")
 
 # Our own gb_types, and stock paths and words that mean distributed code.
@@ -29,7 +30,8 @@ _DIST_WORDS = re.compile(
 def normalize_path(path: str, *, cwd: str | None = None) -> str:
     """``path`` relative to ``cwd`` when under it, else from after ``site-packages/``, else as is."""
     if not path or path.startswith("<"):
-        return path
+        # FX's generated code (compiled autograd graphs) is numbered per process.
+        return _FX_FILE.sub("<fx-generated>", path or "")
     cwd = cwd or os.getcwd()
     ap = os.path.abspath(path)
     if ap.startswith(cwd.rstrip(os.sep) + os.sep):

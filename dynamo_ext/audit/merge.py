@@ -115,9 +115,15 @@ def merge(
             idx = min(max(int(e.get("user_index", len(stack) - 1)), 0), len(stack) - 1)
             file, line, function, _ = stack[idx]
             bid = break_id(e["gb_type"], file, int(line), function)
-            g = groups.setdefault(bid, {"e": e, "idx": idx, "counts": defaultdict(int), "phases": set()})
+            g = groups.setdefault(
+                bid,
+                {"e": e, "idx": idx, "counts": defaultdict(int), "phases": set(), "kinds": set(), "wrappers": set()},
+            )
             g["counts"][rank] += 1
             g["phases"].add(e.get("phase", "forward"))
+            g["kinds"].add(e["kind"])
+            if e.get("wrapper"):
+                g["wrappers"].add(e["wrapper"])
     breaks = []
     for bid, g in groups.items():
         e, idx = g["e"], g["idx"]
@@ -139,8 +145,9 @@ def merge(
         breaks.append(
             GraphBreak(
                 id=bid,
-                kind=e["kind"],
+                kind="frame_skip" if "frame_skip" in g["kinds"] else "graph_break",
                 gb_type=e["gb_type"],
+                wrapper=", ".join(sorted(g["wrappers"])),
                 file=user.file,
                 line=user.line,
                 function=user.function,

@@ -34,12 +34,16 @@ class GraphBreak:
     ``id`` is the stable identity ``gb_type | file:line | function``; it is what
     ``--baseline`` and ``audit diff`` compare.  ``kind`` is ``"graph_break"``
     (Dynamo split the frame; counted in ``counters["graph_break"]``) or
-    ``"frame_skip"`` (Dynamo gave up on the whole frame and runs it eagerly).
+    ``"frame_skip"`` (Dynamo gave up on the whole frame and runs it eagerly;
+    at least one occurrence did).
+    ``gb_type`` is the innermost cause; ``wrapper`` the gb_type Dynamo wrapped
+    it in, if any (``"graph break in loop"``: the cause made a frame skip).
     """
 
     id: str
     kind: str
     gb_type: str
+    wrapper: str
     file: str
     line: int
     function: str
@@ -254,6 +258,7 @@ def report_from_json(data: dict[str, Any]) -> AuditReport:
     breaks = tuple(
         GraphBreak(
             **{
+                "wrapper": "",
                 **{k: v for k, v in b.items() if k != "count"},
                 "hints": tuple(b["hints"]),
                 "ranks": tuple(b["ranks"]),

@@ -76,7 +76,7 @@ def _breaks(report: AuditReport) -> Table | Text:
         where.append(b.source, style="cyan")
         what = Text(b.gb_type, style="bold")
         if b.kind == "frame_skip":
-            what.append("  [frame skipped]", style="yellow")
+            what.append(f"  [frame skipped{': ' + b.wrapper if b.wrapper else ''}]", style="yellow")
         if b.distributed:
             what.append("  [distributed]", style="magenta")
         if b.hang_risk:
@@ -192,4 +192,8 @@ def render_text(report: AuditReport, *, width: int = 120) -> str:
 
 def print_report(report: AuditReport, console: Console | None = None) -> None:
     """Print the report to the terminal (colour when it is one)."""
-    (console or Console(highlight=False)).print(renderables(report))
+    if console is None:
+        console = Console(highlight=False)
+        if not console.is_terminal:
+            console = Console(highlight=False, width=140)
+    console.print(renderables(report))
