@@ -1,9 +1,35 @@
-"""Inductor lowerings and post-grad passes that fuse collectives with their neighbours."""
+"""Inductor lowerings and post-grad passes that fuse collectives with their neighbours.
+
+``install(patches)`` (called by :func:`dynamo_ext.install`) defines our two custom
+ops, registers their lowerings in Inductor's ``lowerings`` table, and appends two
+post-grad passes after any the user set in
+``torch._inductor.config.post_grad_custom_post_pass``:
+
+1. :class:`~.rms_norm_fusion.ResidualRMSNormPass`: all-reduce + residual add +
+   RMSNorm (NOTE [residual rms norm chain]);
+2. :class:`~.bucketing.AllReduceBucketingPass`: independent small all-reduces
+   merged into one (NOTE [all-reduce bucketing order]).
+
+Every change goes through ``patches`` so ``dynamo_ext.uninstall()`` undoes it.
+Thresholds and switches live in :data:`.options.options`.
+"""
 
 from __future__ import annotations
 
 from .._patching import Patcher
+from . import _compat
 
 
 def install(patches: Patcher) -> None:
-    """Register the lowerings and passes (none yet)."""
+    """Define the ops, register the lowerings, append the post-grad passes.
+
+    Does nothing on a torch build without functional collectives (nothing to fuse).
+    """
+    if not _compat.has_functional_collectives():
+        return
+    from . import bucketing, ops, rms_norm_fusion
+    from .registry import append_post_grad_passes, install_lowerings
+
+    ops.define_ops(patches)
+    install_lowerings(patches, rms_norm_fusion.rules())
+    append_post_grad_passes(patches, [rms_norm_fusion.ResidualRMSNormPass(), bucketing.AllReduceBucketingPass()])

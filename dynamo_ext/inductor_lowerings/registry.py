@@ -83,7 +83,9 @@ def _as_pass_list(value: Any) -> list[Any]:
     return [value]
 
 
-def append_post_grad_passes(patches: Patcher, passes: Sequence[Any], *, slot: str = "post_grad_custom_post_pass") -> None:
+def append_post_grad_passes(
+    patches: Patcher, passes: Sequence[Any], *, slot: str = "post_grad_custom_post_pass"
+) -> None:
     """Append ``passes`` after the pass(es) already in ``inductor.config.<slot>``."""
     config = _compat.inductor_config()
     if not hasattr(config, slot):

@@ -1,0 +1,530 @@
+"""Fusion 1: all-reduce + residual add + RMSNorm.
+
+NOTE [residual rms norm chain]
+After AOTAutograd and Inductor's decompositions, ``h = all_reduce(x); r = h + residual;
+rms_norm(r) * weight`` reaches the post-grad passes as::
+
+    all_reduce -> wait_tensor -> add(residual) -> [convert f32] -> pow 2 -> mean(-1, keepdim)
+      -> add eps -> rsqrt -> mul -> [convert] -> [mul weight] -> [convert]
+
+or, where Inductor keeps it, ``aten._fused_rms_norm(r, [hidden], weight, eps)``.
+:func:`match_residual_rms_norm` finds that chain; the three optional casts are
+recorded (``upcast``, ``mid_dtype``, ``out_dtype``) so the replacement computes the
+same aten ops in the same dtypes.
+
+Stock Inductor realizes the residual sum (it has several users), so on the CPU the
+epilogue walks the tensor three times: the add over the whole tensor, then per row
+the sum of squares and the normalization, both re-reading the stored sum.  We replace
+the chain by ``dynamo_ext::residual_rms_norm`` whose lowering recomputes the sum
+inside the reduction and inside the normalization, so the scheduler emits one loop
+nest per row that reads the collective's output row once from memory and writes the
+residual sum and the normalized row in the same pass.  The collective stays a
+``_c10d_functional.all_reduce`` (CPU, gloo, or no symmetric memory).
+
+On CUDA, when the group has symmetric memory, the all-reduce itself is folded in:
+``dynamo_ext::one_shot_all_reduce_residual_rms_norm`` followed by ``wait_tensor`` on
+each output, lowered to a ``_CollectiveKernel`` whose input is realized as a
+symmetric-memory comm buffer (NOTE [lowering-time collective optimization] in
+torch/_inductor/comm_lowering.py), so the producer writes straight into it and
+Inductor's comm reordering still sees a collective.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+from typing import Any
+
+import torch
+import torch.fx
+
+from . import _compat, ops
+from .options import options
+from .registry import LoweringRule
+
+aten = torch.ops.aten
+prims = torch.ops.prims
+c10d = torch.ops._c10d_functional
+
+
+# ---- matching ------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class ResidualRMSNormMatch:
+    """One matched chain; ``erase`` lists the nodes the rewrite removes (outputs first)."""
+
+    all_reduce: torch.fx.Node
+    wait: torch.fx.Node
+    add: torch.fx.Node
+    reduced: torch.fx.Node
+    residual: torch.fx.Node
+    weight: torch.fx.Node | None
+    eps: float
+    upcast: torch.dtype | None
+    mid_dtype: torch.dtype | None
+    out_dtype: torch.dtype | None
+    output: torch.fx.Node
+    rstd: torch.fx.Node | None
+    erase: tuple[torch.fx.Node, ...]
+
+    @property
+    def group_name(self) -> str:
+        return str(self.all_reduce.args[2])
+
+    @property
+    def reduce_op(self) -> str:
+        return str(self.all_reduce.args[1])
+
+
+def _val(node: Any) -> Any:
+    return node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+
+
+def _is(node: Any, *targets: Any) -> bool:
+    return isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target in targets
+
+
+def _sole_user(node: torch.fx.Node) -> torch.fx.Node | None:
+    return next(iter(node.users)) if len(node.users) == 1 else None
+
+
+def _other(node: torch.fx.Node, this: torch.fx.Node) -> Any:
+    a, b = node.args[0], node.args[1]
+    if a is this and b is not this:
+        return b
+    if b is this and a is not this:
+        return a
+    return None
+
+
+def _is_convert(node: Any) -> bool:
+    return _is(node, prims.convert_element_type.default) and isinstance(node.args[1], torch.dtype)
+
+
+def _is_square(node: torch.fx.Node, h: torch.fx.Node) -> bool:
+    if _is(node, aten.pow.Tensor_Scalar) and node.args[0] is h:
+        return node.args[1] == 2
+    return _is(node, aten.mul.Tensor) and node.args[0] is h and node.args[1] is h
+
+
+def _is_last_dim_mean(node: Any, x: torch.fx.Node, ndim: int) -> bool:
+    if not (_is(node, aten.mean.dim) and node.args[0] is x):
+        return False
+    dims = node.args[1]
+    keepdim = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
+    return keepdim is True and list(dims) in ([-1], [ndim - 1]) and node.kwargs.get("dtype") is None
+
+
+def _scalar_add_operand(node: Any, x: torch.fx.Node) -> float | None:
+    if not (_is(node, aten.add.Scalar, aten.add.Tensor) and node.args[0] is x) or node.kwargs.get("alpha", 1) != 1:
+        return None
+    eps = node.args[1]
+    return float(eps) if isinstance(eps, (int, float)) and not isinstance(eps, bool) else None
+
+
+def _is_weight_for(node: Any, hidden: int) -> bool:
+    val = _val(node)
+    return (
+        isinstance(val, torch.Tensor)
+        and val.dtype.is_floating_point
+        and val.ndim >= 1
+        and val.shape[-1] == hidden
+        and val.numel() == hidden
+    )
+
+
+def _static_shape(val: Any) -> bool:
+    return isinstance(val, torch.Tensor) and all(isinstance(s, int) for s in val.shape)
+
+
+def _match_tail(
+    norm: torch.fx.Node, hidden: int
+) -> tuple[torch.fx.Node, torch.fx.Node | None, torch.dtype | None, torch.dtype | None, list[torch.fx.Node]]:
+    """Walk ``[convert] -> [mul weight] -> [convert]`` from the normalized node while single-user."""
+    out, weight, mid, last_cast, nodes = norm, None, None, None, []
+    user = _sole_user(out)
+    if _is_convert(user):
+        mid, out = user.args[1], user
+        nodes.append(user)
+        user = _sole_user(out)
+    if _is(user, aten.mul.Tensor) and _is_weight_for(_other(user, out), hidden):
+        weight, out = _other(user, out), user
+        nodes.append(user)
+        user = _sole_user(out)
+        if _is_convert(user):
+            last_cast, out = user.args[1], user
+            nodes.append(user)
+    return out, weight, mid, last_cast, nodes
+
+
+def _match_decomposed(base: dict[str, Any], add: torch.fx.Node, hidden: int, ndim: int) -> ResidualRMSNormMatch | None:
+    dtype = _val(add).dtype
+    upcasts = [u for u in add.users if _is_convert(u) and u.args[1] != dtype]
+    # the square and the normalization may each read their own upcast of the sum
+    for h, upcast in [(add, None), *((u, u.args[1]) for u in upcasts)]:
+        same = [add] if upcast is None else [u for u in upcasts if u.args[1] == upcast]
+        for square in h.users:
+            if not _is_square(square, h):
+                continue
+            mean = _sole_user(square)
+            if not _is_last_dim_mean(mean, square, ndim):
+                continue
+            eps_node = _sole_user(mean)
+            eps = _scalar_add_operand(eps_node, mean)
+            rsqrt = _sole_user(eps_node) if eps is not None else None
+            if not _is(rsqrt, aten.rsqrt.default):
+                continue
+            for norm in rsqrt.users:
+                if not (_is(norm, aten.mul.Tensor) and _other(norm, rsqrt) in same):
+                    continue
+                output, weight, mid, last_cast, tail = _match_tail(norm, hidden)
+                chain = [*(u for u in same if u is not add), square, mean, eps_node, rsqrt, norm, *tail]
+                return ResidualRMSNormMatch(
+                    **base,
+                    weight=weight,
+                    eps=eps,
+                    upcast=upcast,
+                    mid_dtype=mid,
+                    out_dtype=last_cast,
+                    output=output,
+                    rstd=rsqrt,
+                    erase=tuple(reversed(chain)),
+                )
+    return None
+
+
+def _match_fused_op(base: dict[str, Any], add: torch.fx.Node, hidden: int) -> ResidualRMSNormMatch | None:
+    fused_op = getattr(aten, "_fused_rms_norm", None)
+    if fused_op is None:
+        return None
+    for node in add.users:
+        if not _is(node, fused_op.default) or node.args[0] is not add or list(node.args[1]) != [hidden]:
+            continue
+        weight = node.args[2] if len(node.args) > 2 else None
+        if weight is not None and not _is_weight_for(weight, hidden):
+            continue
+        getitems = {u.args[1]: u for u in node.users if _is(u, operator.getitem)}
+        if 0 not in getitems or len(getitems) != len(node.users):
+            continue
+        dtype = _val(add).dtype
+        compute = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+        eps = node.args[3] if len(node.args) > 3 else None
+        if eps is None:
+            eps = torch.finfo(torch.float32 if compute == torch.float32 else torch.float64).eps
+        return ResidualRMSNormMatch(
+            **base,
+            weight=weight,
+            eps=float(eps),
+            upcast=compute if compute != dtype else None,
+            mid_dtype=None,
+            out_dtype=dtype,
+            output=getitems[0],
+            rstd=getitems.get(1),
+            erase=(*getitems.values(), node),
+        )
+    return None
+
+
+def match_residual_rms_norm(all_reduce: torch.fx.Node) -> ResidualRMSNormMatch | None:
+    """The chain that starts at ``all_reduce`` (a ``_c10d_functional.all_reduce`` node), or None."""
+    wait = _sole_user(all_reduce)
+    if not _is(wait, c10d.wait_tensor.default):
+        return None
+    reduced_val = _val(wait)
+    if not _static_shape(reduced_val) or reduced_val.ndim < 1 or not reduced_val.dtype.is_floating_point:
+        return None
+    hidden, ndim = reduced_val.shape[-1], reduced_val.ndim
+    for add in wait.users:
+        if not _is(add, aten.add.Tensor) or add.kwargs.get("alpha", 1) != 1:
+            continue
+        residual = _other(add, wait)
+        rval = _val(residual)
+        if not isinstance(rval, torch.Tensor) or rval.shape != reduced_val.shape or rval.dtype != reduced_val.dtype:
+            continue
+        base = {"all_reduce": all_reduce, "wait": wait, "add": add, "reduced": wait, "residual": residual}
+        found = _match_decomposed(base, add, hidden, ndim) or _match_fused_op(base, add, hidden)
+        if found is not None:
+            return found
+    return None
+
+
+# ---- predicates (FX level) --------------------------------------------------------------
+def _position(graph: torch.fx.Graph) -> dict[torch.fx.Node, int]:
+    return {n: i for i, n in enumerate(graph.nodes)}
+
+
+def should_fuse_residual_rms_norm(match: ResidualRMSNormMatch, pos: dict[torch.fx.Node, int]) -> bool:
+    """The epilogue can be replaced in place: its weight exists before the add."""
+    return match.weight is None or pos[match.weight] < pos[match.add]
+
+
+def should_lower_as_one_shot(match: ResidualRMSNormMatch) -> bool:
+    """Fold the all-reduce in too: CUDA, sum, symmetric memory for the group, small enough."""
+    val = _val(match.all_reduce.args[0])
+    return (
+        options.one_shot
+        and isinstance(val, torch.Tensor)
+        and val.device.type == "cuda"
+        and match.reduce_op == "sum"
+        and len(match.wait.users) == 1
+        and val.dtype in (torch.float32, torch.bfloat16, torch.float16)
+        and val.numel() * val.element_size() <= options.one_shot_max_bytes
+        and val.shape[-1] <= options.one_shot_max_hidden
+        and _compat.has_triton()
+        and _compat.comm_buffer_api() is not None
+        and _compat.is_symm_mem_enabled_for_group(match.group_name)
+    )
+
+
+# ---- rewriting -----------------------------------------------------------------------------
+def _fake_call(fn: Any, *args: Any) -> Any:
+    vals = [_val(a) if isinstance(a, torch.fx.Node) else a for a in args]
+    mode = _compat.detect_fake_mode([v for v in vals if isinstance(v, torch.Tensor)])
+    if mode is None:
+        return fn(*vals)
+    with mode:
+        return fn(*vals)
+
+
+def _call(graph: torch.fx.Graph, target: Any, args: tuple[Any, ...], origin: torch.fx.Node) -> torch.fx.Node:
+    node = graph.call_function(target, args)
+    node.meta["val"] = _fake_call(target, *args)
+    node.meta["original_aten"] = target if isinstance(target, torch._ops.OpOverload) else None
+    for key in ("stack_trace", "nn_module_stack", "seq_nr"):
+        if key in origin.meta:
+            node.meta[key] = origin.meta[key]
+    return node
+
+
+def _getitems(graph: torch.fx.Graph, node: torch.fx.Node, n: int) -> list[torch.fx.Node]:
+    out = []
+    for i in range(n):
+        item = graph.call_function(operator.getitem, (node, i))
+        item.meta["val"] = node.meta["val"][i]
+        item.meta["original_aten"] = node.meta["original_aten"]
+        out.append(item)
+    return out
+
+
+def rewrite(graph: torch.fx.Graph, match: ResidualRMSNormMatch, *, one_shot: bool) -> None:
+    """Replace the matched chain (and with ``one_shot`` the collective) by our op."""
+    args = (match.residual, match.weight, match.eps, match.upcast, match.mid_dtype, match.out_dtype)
+    with graph.inserting_before(match.add):
+        if one_shot:
+            fused = _call(graph, ops.one_shot_op(), (match.all_reduce.args[0], *args, match.group_name), match.add)
+            items = [_call(graph, c10d.wait_tensor.default, (g,), match.add) for g in _getitems(graph, fused, 3)]
+        else:
+            fused = _call(graph, ops.residual_rms_norm_op(), (match.reduced, *args), match.add)
+            items = _getitems(graph, fused, 3)
+    summed, normed, rstd = items
+    match.output.replace_all_uses_with(normed)
+    if match.rstd is not None:
+        match.rstd.replace_all_uses_with(rstd)
+    match.add.replace_all_uses_with(summed)
+    for node in match.erase:
+        if not node.users:  # an upcast the rest of the graph still reads stays, reading our sum
+            graph.erase_node(node)
+    graph.erase_node(match.add)
+    if one_shot:
+        graph.erase_node(match.wait)
+        graph.erase_node(match.all_reduce)
+
+
+def fuse_residual_rms_norm(graph: torch.fx.Graph) -> int:
+    """Rewrite every matching chain in ``graph``; return how many were fused."""
+    if not options.residual_rms_norm:
+        return 0
+    pos = _position(graph)
+    count = 0
+    for node in list(graph.nodes):
+        if not _is(node, c10d.all_reduce.default):
+            continue
+        match = match_residual_rms_norm(node)
+        if match is None or not should_fuse_residual_rms_norm(match, pos):
+            continue
+        rewrite(graph, match, one_shot=should_lower_as_one_shot(match))
+        count += 1
+    if count:
+        graph.lint()
+    return count
+
+
+class ResidualRMSNormPass(_compat.custom_graph_pass_base()):  # type: ignore[misc]
+    """Post-grad pass for fusion 1 (see NOTE [residual rms norm chain])."""
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        fuse_residual_rms_norm(graph)
+
+    def uuid(self) -> Any:
+        return _compat.hash_for_files(
+            (__file__, ops.__file__), extra=options.cache_key() + _compat.symm_mem_state_key()
+        )
+
+
+# ---- lowerings --------------------------------------------------------------------------------
+def _lower(op: Any, *args: Any) -> Any:
+    return _compat.lowering_table()[op](*args)
+
+
+def _epilogue(
+    summed: Any,
+    weight: Any,
+    eps: float,
+    upcast: torch.dtype | None,
+    mid_dtype: torch.dtype | None,
+    out_dtype: torch.dtype | None,
+) -> tuple[Any, Any]:
+    """Inductor IR for the norm part; ``summed()`` gives the residual sum each time it is called."""
+
+    def upcasted() -> Any:
+        s = summed()
+        return _lower(prims.convert_element_type.default, s, upcast) if upcast is not None else s
+
+    mean = _lower(aten.mean.dim, _lower(aten.pow.Tensor_Scalar, upcasted(), 2), [-1], True)
+    rstd = _lower(aten.rsqrt.default, _lower(aten.add.Scalar, mean, eps))
+    y = _lower(aten.mul.Tensor, upcasted(), rstd)
+    if mid_dtype is not None:
+        y = _lower(prims.convert_element_type.default, y, mid_dtype)
+    if weight is not None:
+        y = _lower(aten.mul.Tensor, y, weight)
+    if out_dtype is not None:
+        y = _lower(prims.convert_element_type.default, y, out_dtype)
+    return y, rstd
+
+
+def _realize_loops(x: Any) -> Any:
+    ir = _compat.ir_module()
+    if isinstance(x, ir.TensorBox) and isinstance(x.data, ir.StorageBox) and isinstance(x.data.data, ir.Loops):
+        x.realize()
+    return x
+
+
+def _rounded(x: Any) -> Any:
+    """``x`` rounded to its fp16/bf16 dtype even when fused into an fp32 consumer.
+
+    Stock stores the sum and re-reads it, so the norm sees the rounded value, as eager
+    does.  Recomputed in registers it would not be: the CPU backend keeps fp16/bf16
+    intermediates in fp32 and drops a down-and-up cast unless the upcast names its
+    source dtype (``legalize_lowp_fp_dtype_loopbody`` in codegen/cpp.py treats such a
+    cast as a low-precision sink), so we name it, and the downcast must not enter the
+    kernel's cast cache (``use_compute_types=False``, as Inductor's own
+    ``low_precision_pointwise_barrier`` emulation does), or the upcast is served the
+    unrounded value from it.
+    """
+    dtype = x.get_dtype()
+    if dtype not in (torch.float16, torch.bfloat16):
+        return x
+    ir, ops_ = _compat.ir_module(), _compat.ops_handler()
+    load = x.make_loader()
+
+    def inner_fn(index: Any) -> Any:
+        low = ops_.to_dtype(load(index), dtype, use_compute_types=False)  # no cast-cache entry
+        return ops_.to_dtype(low, torch.float32, src_dtype=dtype)
+
+    return ir.Pointwise.create(device=x.get_device(), dtype=dtype, inner_fn=inner_fn, ranges=x.get_size())
+
+
+def should_lower_residual_rms_norm_row_fused(
+    input: Any, residual: Any, weight: Any, eps: float, upcast: Any, mid_dtype: Any, out_dtype: Any
+) -> bool:
+    """Recompute the sum per row only where a row is static, modest, and the shapes agree."""
+    hidden = input.get_size()[-1]
+    return (
+        list(input.get_size()) == list(residual.get_size())
+        and getattr(hidden, "is_number", False)
+        and int(hidden) <= options.row_fused_max_hidden
+    )
+
+
+def lower_residual_rms_norm_row_fused(
+    input: Any, residual: Any, weight: Any, eps: float, upcast: Any, mid_dtype: Any, out_dtype: Any
+) -> tuple[Any, Any, Any]:
+    """Fast path: a fresh (unrealized) sum for the reduction, the normalization and the output."""
+    input, residual = _realize_loops(input), _realize_loops(residual)
+
+    def summed() -> Any:
+        return _rounded(_lower(aten.add.Tensor, input, residual))
+
+    y, rstd = _epilogue(summed, weight, eps, upcast, mid_dtype, out_dtype)
+    return summed(), y, rstd
+
+
+def lower_residual_rms_norm_stock(
+    input: Any, residual: Any, weight: Any, eps: float, upcast: Any, mid_dtype: Any, out_dtype: Any
+) -> tuple[Any, Any, Any]:
+    """Fallback: what stock Inductor builds, the sum realized once and re-read."""
+    s = _lower(aten.add.Tensor, input, residual)
+    s.realize()
+    y, rstd = _epilogue(lambda: s, weight, eps, upcast, mid_dtype, out_dtype)
+    return s, y, rstd
+
+
+RESIDUAL_RMS_NORM_RULE = LoweringRule(
+    name="residual_rms_norm",
+    op=None,  # filled in by rules() once the op is defined
+    predicate=should_lower_residual_rms_norm_row_fused,
+    fast_path=lower_residual_rms_norm_row_fused,
+    fallback=lower_residual_rms_norm_stock,
+)
+
+
+def should_lower_one_shot_collective(
+    input: Any, residual: Any, weight: Any, eps: float, upcast: Any, mid_dtype: Any, out_dtype: Any, group_name: str
+) -> bool:
+    """Lowering-time check: a CUDA buffer we can place in symmetric memory, static shape."""
+    device = input.get_device()
+    return (
+        device is not None
+        and device.type == "cuda"
+        and _compat.comm_buffer_api() is not None
+        and all(getattr(s, "is_number", False) for s in input.get_size())
+        and list(input.get_size()) == list(residual.get_size())
+    )
+
+
+def _into_comm_buffer(x: Any, group_name: str) -> Any:
+    can, realize, symm = _compat.comm_buffer_api()  # type: ignore[misc]
+    ir = _compat.ir_module()
+    if not can(x, symm):  # an input we do not allocate: copy it into one we do
+        x.realize()
+        x = ir.Pointwise.create(
+            device=x.get_device(), dtype=x.get_dtype(), inner_fn=x.make_loader(), ranges=x.get_size()
+        )
+    realize(x, symm, group_name)
+    return x
+
+
+def lower_one_shot_collective(
+    input: Any, residual: Any, weight: Any, eps: float, upcast: Any, mid_dtype: Any, out_dtype: Any, group_name: str
+) -> list[Any]:
+    """Fast path: one ``_CollectiveKernel`` whose input is a symmetric-memory comm buffer."""
+    ir = _compat.ir_module()
+    input = _into_comm_buffer(input, group_name)
+    residual = ir.ExternKernel.require_contiguous(residual)
+    if weight is not None:
+        weight = ir.ExternKernel.require_contiguous(weight)
+    outs = _compat.collective_kernel_cls().create_out_of_place(
+        ops.one_shot_op(), input, residual, weight, eps, upcast, mid_dtype, out_dtype, group_name
+    )
+    return [ir.TensorBox.create(o) for o in outs]
+
+
+def lower_one_shot_as_all_reduce(
+    input: Any, residual: Any, weight: Any, eps: float, upcast: Any, mid_dtype: Any, out_dtype: Any, group_name: str
+) -> list[Any]:
+    """Fallback: stock all-reduce + wait, then our epilogue lowering."""
+    reduced = _lower(c10d.wait_tensor.default, _lower(c10d.all_reduce.default, input, "sum", group_name))
+    return list(RESIDUAL_RMS_NORM_RULE(reduced, residual, weight, eps, upcast, mid_dtype, out_dtype))
+
+
+def rules() -> list[LoweringRule]:
+    """The lowering rules of fusion 1 (call after :func:`ops.define_ops`)."""
+    return [
+        dataclasses.replace(RESIDUAL_RMS_NORM_RULE, op=ops.residual_rms_norm_op()),
+        LoweringRule(
+            name="one_shot_all_reduce_residual_rms_norm",
+            op=ops.one_shot_op(),
+            predicate=should_lower_one_shot_collective,
+            fast_path=lower_one_shot_collective,
+            fallback=lower_one_shot_as_all_reduce,
+        ),
+    ]
