@@ -195,6 +195,8 @@ class DistributedObjectVariable(VariableTracker):
     def nb_bool_impl(self, tx: Any) -> Any:
         return _compat.ConstantVariable.create(bool(self.value))
 
+    bool_impl = nb_bool_impl  # torch 2.12 and 2.13
+
     def call_obj_hasattr(self, tx: Any, name: str) -> Any:
         # Attributes of a guarded object do not change while its guard holds.
         return _compat.ConstantVariable.create(hasattr(self.value, name))

@@ -67,10 +67,20 @@ def _set_param(fsdp_param: Any, tensor: Any) -> None:
         module._parameters[name] = tensor
 
 
+def param_groups(state: Any) -> list[Any]:
+    """The state's ``FSDPParamGroup``s: a list from 2.12 on, one optional group on 2.11."""
+    if hasattr(state, "_fsdp_param_groups"):
+        return state._fsdp_param_groups
+    group = state._fsdp_param_group
+    return [] if group is None else [group]
+
+
 def pre_forward(state: Any, module: Any, args: Any, kwargs: Any) -> Any:
     """Traceable ``FSDPState._pre_forward``: unshard every parameter of the state's groups."""
-    args, kwargs = state._cast_forward_inputs(args, kwargs)
-    for group in state._fsdp_param_groups:
+    policy = state._mp_policy
+    if policy.cast_forward_inputs and policy.param_dtype is not None:
+        args, kwargs = _cast_floats((args, kwargs), policy.param_dtype)
+    for group in param_groups(state):
         for fsdp_param in group.fsdp_params:
             _set_param(fsdp_param, unshard_param(fsdp_param))
     return args, kwargs
@@ -78,10 +88,20 @@ def pre_forward(state: Any, module: Any, args: Any, kwargs: Any) -> Any:
 
 def post_forward(state: Any, module: Any, input: Any, output: Any) -> Any:
     """Traceable ``FSDPState._post_forward``: put the sharded parameters back."""
-    for group in state._fsdp_param_groups:
+    for group in param_groups(state):
         for fsdp_param in group.fsdp_params:
             _set_param(fsdp_param, fsdp_param.sharded_param)
-    return state._cast_output_dtype(output) if hasattr(state, "_cast_output_dtype") else output
+    if state._mp_policy.output_dtype is not None:
+        output = _cast_floats(output, state._mp_policy.output_dtype)
+    return output
+
+
+def _cast_floats(tree: Any, dtype: Any) -> Any:
+    """Cast every floating-point tensor in ``tree`` to ``dtype`` (FSDP's MixedPrecisionPolicy casts)."""
+    import torch
+    from torch.utils._pytree import tree_map
+
+    return tree_map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, tree)
 
 
 def _check_state(tx: Any, args: list[Any], kwargs: dict[str, Any]) -> None:
@@ -93,7 +113,7 @@ def _check_state(tx: Any, args: list[Any], kwargs: dict[str, Any]) -> None:
         )
     if getattr(state, "_is_root", False) is None:
         state._lazy_init()
-    for group in state._fsdp_param_groups:
+    for group in param_groups(state):
         for p in group.fsdp_params:
             if p.fsdp_placement.dim != 0 or getattr(p, "is_dtensor", False):
                 graph_breaks.graph_break(

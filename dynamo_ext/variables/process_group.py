@@ -16,6 +16,9 @@ class ProcessGroupVariable(DistributedObjectVariable):
     """A ``torch.distributed.ProcessGroup``: ``rank()``, ``size()``, ``group_name`` fold to constants."""
 
     KIND = "process group"
+    # A Python constant for stock code (``group or WORLD``, 2.13's folding of
+    # get_rank(group)); groups reach graphs only as names in functional collectives.
+    IS_VALUE = True
     CONSTANT_ATTRS = frozenset({"group_name", "group_desc", "bound_device_id"})
     PURE_METHODS = frozenset({"rank", "size", "name", "_get_backend_name"})
 
