@@ -157,8 +157,8 @@ def _audit(argv: list[str]) -> int:
         print_report(report)
     errors = list(report.errors) + ([f"(stock run) {e}" for e in report.stock.errors] if report.stock else [])
     if errors:
-        logs = sorted({r.log for r in report.ranks if r.log and r.status != "ok"})
-        suffix = f"; rank logs: {logs[0]}" + (f" (+{len(logs) - 1} more)" if len(logs) > 1 else "") if logs else ""
+        logs = sorted({r.log for r in report.ranks if r.log})
+        suffix = f"; rank logs under {os.path.commonpath(logs)}" if logs else ""
         return fail(errors[0] + suffix)
     problems = gate(report, max_breaks=args.max_breaks, max_recompiles=args.max_recompiles, baseline=baseline)
     for p in problems:

@@ -43,6 +43,7 @@ function showRank(v){
 }
 document.addEventListener('DOMContentLoaded',()=>{
   document.querySelectorAll('th').forEach(th=>th.addEventListener('click',()=>sortTable(th)));
+  document.body.dataset.breakRows=document.querySelectorAll('tr.break-row').length;
 });
 """
 

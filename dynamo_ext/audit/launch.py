@@ -201,15 +201,16 @@ def run_ranks(
     with open(launcher_log, encoding="utf-8", errors="replace") as f:
         launcher_text = f.read()
     exit_codes = {int(r): int(c) for r, c in _FAILURE.findall(launcher_text)}
+    root = _FAILURE.findall(launcher_text.partition("Root Cause")[2])
+    killed = {-int(signal.SIGTERM), -int(signal.SIGKILL)}
     statuses: dict[int, dict[str, Any]] = {}
-    failed = [r for r in range(nproc) if any(e["ev"] == "error" for e in events[r])]
-    errors: list[str] = []
     for r in range(nproc):
         evs = events[r]
         err = next((e for e in evs if e["ev"] == "error"), None)
         log = _rank_logs(logs, r)
+        code = exit_codes.get(r)
         if err is not None:
-            statuses[r] = {"status": "error", "error": err["message"], "log": log}
+            statuses[r] = {"status": "error", "error": err["message"], "log": log, "time": err.get("time", 0.0)}
         elif any(e["ev"] == "end" for e in evs):
             statuses[r] = {"status": "ok", "log": log}
         elif timed_out:
@@ -219,20 +220,23 @@ def run_ranks(
                 "error": f"still running after {timeout:g} s (last event: {last})",
                 "log": log,
             }
-        elif failed:
+        elif code in killed and (exit_codes.keys() - {r}):
             statuses[r] = {
                 "status": "stopped",
-                "error": f"stopped by the launcher after rank {failed[0]} failed",
+                "error": "stopped by the launcher after another rank failed",
                 "log": log,
             }
         else:
-            code = exit_codes.get(r)
-            why = (
-                f"exit code {code}" + (f" (signal {-code})" if code is not None and code < 0 else "")
-                if code is not None
-                else "no exit status"
-            )
+            why = "no exit status" if code is None else f"exit code {code}" + (f" (signal {-code})" if code < 0 else "")
             statuses[r] = {"status": "died", "error": f"rank {r} ended without finishing ({why})", "log": log}
+    # The root cause first: torchrun's "first observed failure", else the earliest error.
+    failed = sorted(
+        (r for r, s in statuses.items() if s["status"] in ("error", "died")), key=lambda r: statuses[r].get("time", 0.0)
+    )
+    if root and int(root[0][0]) in failed:
+        failed.remove(int(root[0][0]))
+        failed.insert(0, int(root[0][0]))
+    errors: list[str] = []
     if timed_out:
         hung = [r for r, s in statuses.items() if s["status"] == "timeout"]
         errors.append(
@@ -240,11 +244,11 @@ def run_ranks(
         )
     if interrupted:
         errors.append("interrupted; ranks killed")
-    if failed:
-        errors.append(f"rank {failed[0]} raised {statuses[failed[0]]['error']}")
+    for r in failed:
+        s = statuses[r]
+        errors.append(f"rank {r} raised {s['error']}" if s["status"] == "error" else s["error"])
     for s in statuses.values():
-        if s["status"] == "died":
-            errors.append(s["error"])
+        s.pop("time", None)
     if not any(events.values()):
         tail = [ln for ln in launcher_text.strip().splitlines() if ln.strip()][-1:] or ["(no output)"]
         errors.append(f"no rank started; launcher said: {tail[0]}")

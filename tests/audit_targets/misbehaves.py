@@ -1,0 +1,36 @@
+"""Audit target that misbehaves on one rank, after a graph break every rank sees.
+
+Usage: misbehaves.py raise|die|hang  (rank 1 raises ValueError, exits with status 7 without a word, or sleeps)
+"""
+
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+
+def step(x):
+    x = x + 1
+    print("compiled step")  # BREAK_PRINT
+    return x * 2
+
+
+def main():
+    mode = sys.argv[1]
+    dist.init_process_group("gloo")
+    torch.compile(step, backend="eager")(torch.ones(4))
+    if dist.get_rank() == 1:
+        if mode == "raise":
+            raise ValueError("rank 1 refuses")  # RAISE_LINE
+        if mode == "die":
+            os._exit(7)
+        if mode == "hang":
+            time.sleep(3600)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,231 @@
+"""End-to-end: ``dynamo-ext audit`` on real gloo ranks, the HTML in headless Chromium, bad input, the fixture."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from dynamo_ext.audit.pytest_plugin import dynamo_audit  # noqa: F401  (registers the fixture here)
+
+REPO = Path(__file__).resolve().parent.parent
+TARGETS = Path(__file__).resolve().parent / "audit_targets"
+KNOWN = TARGETS / "known_breaks.py"
+MISBEHAVES = TARGETS / "misbehaves.py"
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+def cli(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    return subprocess.run(
+        [sys.executable, "-m", "dynamo_ext", "audit", *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def marker_line(path: Path, marker: str) -> int:
+    return next(n for n, line in enumerate(path.read_text().splitlines(), 1) if marker in line)
+
+
+def worker_pids() -> list[int]:
+    out = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                cmd = Path(f"/proc/{d}/cmdline").read_bytes()
+            except OSError:
+                continue
+            if b"dynamo_ext.audit.worker" in cmd and b"misbehaves.py" in cmd:
+                out.append(int(d))
+    return out
+
+
+@pytest.fixture(scope="module")
+def known_run():
+    """One 2-rank run of the known-breaks target with the plugin, JSON and HTML written."""
+    tmp = Path(tempfile.mkdtemp(prefix="audit-e2e-"))
+    proc = cli(
+        "--nproc",
+        "2",
+        "--json",
+        str(tmp / "out.json"),
+        "--html",
+        str(tmp / "out.html"),
+        str(KNOWN.relative_to(REPO)),
+        "--",
+        "--object-collective",
+    )
+    yield proc, tmp
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
+@pytest.mark.gloo
+def test_known_breaks_every_rank_right_lines_and_exact_counts(known_run):
+    proc, tmp = known_run
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads((tmp / "out.json").read_text())
+    assert data["plugin"]["installed"] is True
+    rel = str(KNOWN.relative_to(REPO))
+    by_line = {b["line"]: b for b in data["graph_breaks"] if b["file"] == rel}
+    for marker, distributed in (("BREAK_PRINT", False), ("BREAK_ITEM", False), ("BREAK_OBJECT", True)):
+        b = by_line[marker_line(KNOWN, marker)]
+        assert b["ranks"] == [0, 1], b
+        assert b["function"] == "step"
+        assert b["distributed"] is distributed, b
+        assert marker in b["source"]
+        assert not b["hang_risk"]
+    assert (
+        "print" in by_line[marker_line(KNOWN, "BREAK_PRINT")]["gb_type"]
+        or "builtin" in by_line[marker_line(KNOWN, "BREAK_PRINT")]["gb_type"]
+    )
+    assert "item" in by_line[marker_line(KNOWN, "BREAK_ITEM")]["gb_type"]
+    for r in data["ranks"]:
+        assert r["status"] == "ok"
+        # Exact: the audit's count of graph breaks equals Dynamo's own counter on that rank.
+        assert r["graph_breaks"] == r["dynamo_graph_breaks"], r
+        assert r["graph_breaks"] + r["frame_skips"] >= 3
+    assert data["totals"]["graph_breaks"] >= 3
+    assert "Graph breaks, by impact" in proc.stdout
+
+
+@pytest.mark.gloo
+def test_stock_counts_and_skipped_frame_and_recompile():
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "lr.json")
+        proc = cli("--no-plugin", "--quiet", "--json", out, str(TARGETS / "loop_and_recompile.py"))
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        data = json.loads(Path(out).read_text())
+    assert data["plugin"]["installed"] is False
+    (b,) = data["graph_breaks"]
+    assert (b["kind"], b["line"], b["ranks"]) == (
+        "frame_skip",
+        marker_line(TARGETS / "loop_and_recompile.py", "BREAK_LOOP"),
+        [0, 1],
+    )
+    (rc,) = data["recompiles"]
+    assert rc["function"] == "shaped" and "size mismatch" in rc["reason"] and rc["ranks"] == [0, 1]
+    for r in data["ranks"]:
+        assert (r["graph_breaks"], r["frame_skips"], r["recompiles"]) == (0, 1, 1)
+        assert r["graph_breaks"] == r["dynamo_graph_breaks"]
+
+
+@pytest.mark.gloo
+def test_gate_budget_and_baseline(known_run):
+    _, tmp = known_run
+    base = tmp / "out.json"
+    proc = cli("--nproc", "2", "--quiet", "--max-breaks", "1", "--baseline", str(base), str(KNOWN.relative_to(REPO)))
+    assert proc.returncode == 1, proc.stderr
+    assert "budget --max-breaks 1" in proc.stderr
+    assert "new graph break" not in proc.stderr  # a subset of the baseline's breaks
+    diff = subprocess.run(
+        [sys.executable, "-m", "dynamo_ext", "audit", "diff", str(base), str(base)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+    )
+    assert diff.returncode == 0 and diff.stdout.startswith("new: 0\nfixed: 0\nunchanged: ")
+
+
+@pytest.mark.skipif(
+    CHROMIUM is None, reason="needs Debian's chromium for the headless render (apt-get install -y chromium)"
+)
+def test_html_renders_in_headless_chromium(known_run):
+    proc, tmp = known_run
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads((tmp / "out.json").read_text())
+    page = (tmp / "out.html").as_uri()
+    flags = [
+        CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+        "--disable-background-networking", "--disable-component-update", "--disable-sync", "--disable-dev-shm-usage",
+        f"--user-data-dir={tmp / 'profile'}",
+    ]  # fmt: skip
+    shot = tmp / "shot.png"
+    subprocess.run([*flags, f"--screenshot={shot}", "--window-size=1280,1600", page], capture_output=True, timeout=120)
+    assert shot.exists() and shot.stat().st_size > 10_000
+    assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    dom = subprocess.run([*flags, "--dump-dom", page], capture_output=True, text=True, timeout=120).stdout
+    title = re.search(r"<title>(.*?)</title>", dom).group(1)
+    assert title == f"dynamo-ext audit: {KNOWN.relative_to(REPO)}"
+    rows = len(re.findall(r'<tr class="break-row"', dom))
+    assert rows == len(data["graph_breaks"]) >= 3
+    # The page's script ran and counted the same rows.
+    assert f'data-break-rows="{rows}"' in dom
+
+
+# ---- bad input: one line, non-zero exit, partial report, no stray processes ----------------
+def test_missing_file():
+    proc = cli("no/such/script.py")
+    assert proc.returncode == 2
+    assert (
+        proc.stderr.strip()
+        == "dynamo-ext audit: error: target not found: 'no/such/script.py' is neither a file nor module:function"
+    )
+
+
+def test_unknown_module_and_function():
+    proc = cli("no_such_module_xyz:main")
+    assert proc.returncode == 2
+    assert proc.stderr.strip().startswith("dynamo-ext audit: error: unknown module 'no_such_module_xyz'")
+    proc = cli("dynamo_ext.audit.example_llama:no_such_function")
+    assert proc.returncode == 2
+    assert "has no function 'no_such_function'" in proc.stderr
+
+
+@pytest.mark.gloo
+@pytest.mark.parametrize(
+    ("mode", "status", "message"),
+    [
+        ("raise", "error", "rank 1 raised ValueError: rank 1 refuses (at tests/audit_targets/misbehaves.py:"),
+        ("die", "died", "rank 1 ended without finishing (exit code 7)"),
+        ("hang", "timeout", "timeout: rank(s)"),
+    ],
+)
+def test_rank_failures(mode, status, message):
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "partial.json")
+        proc = cli(
+            "--nproc", "2", "--quiet", "--timeout", "20", "--json", out, str(MISBEHAVES.relative_to(REPO)), "--", mode
+        )
+        assert proc.returncode == 2, proc.stderr
+        lines = proc.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("dynamo-ext audit: error: " + message), lines
+        data = json.loads(Path(out).read_text())
+    assert data["ranks"][1]["status"] == status
+    # What was collected before the failure is in the report: the print break, on both ranks.
+    (b,) = data["graph_breaks"]
+    assert b["line"] == marker_line(MISBEHAVES, "BREAK_PRINT") and b["ranks"] == [0, 1]
+    assert worker_pids() == []
+
+
+# ---- the pytest fixture -------------------------------------------------------------------
+def _whole(x):
+    return (x * 2).relu()
+
+
+def test_fixture_passes_and_returns_report(dynamo_audit):  # noqa: F811
+    import torch
+
+    report = dynamo_audit(_whole, torch.ones(3), backend="eager", max_breaks=0)
+    assert report.total_breaks == 0 and report.ranks[0].graphs == 1
+
+
+def test_fixture_fails_past_budget(dynamo_audit):  # noqa: F811
+    import torch
+
+    def chatty(x):
+        print("hi")
+        return x + 1
+
+    with pytest.raises(pytest.fail.Exception, match=r"1 graph break\(s\) per rank, budget --max-breaks 0"):
+        dynamo_audit(chatty, torch.ones(3), backend="eager", max_breaks=0)
