@@ -56,6 +56,19 @@ def guard_fail_reason_owner() -> tuple[Any, str]:
     return _guards, "get_guard_fail_reason_helper"
 
 
+def skip_frames_of(code: Any) -> Any:
+    """Make Dynamo run frames of ``code`` without tracing them; return the undo function.
+
+    ``torch._dynamo.eval_frame.skip_code`` / ``set_code_exec_strategy`` exist on 2.11 to 2.15.
+    """
+    from torch._C._dynamo.eval_frame import set_code_exec_strategy
+    from torch._dynamo.types import FrameAction, FrameExecStrategy
+    from torch._dynamo.eval_frame import skip_code
+
+    skip_code(code)
+    return lambda: set_code_exec_strategy(code, FrameExecStrategy(FrameAction.DEFAULT, FrameAction.DEFAULT))
+
+
 # ---- torch.distributed -------------------------------------------------------
 @functools.cache
 def has_functional_op(name: str) -> bool:

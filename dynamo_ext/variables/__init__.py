@@ -24,5 +24,5 @@ def install(patches: Patcher) -> None:
     c10d_queries.register()
     collectives.register()
     fsdp.register()
-    dtensor.register()
+    dtensor.register(patches)
     registry.hook_builders(patches)

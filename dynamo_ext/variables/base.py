@@ -86,7 +86,10 @@ class DistributedObjectVariable(VariableTracker):
         self._stock_vt: Any = None
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}({self.value!r})"
+        try:
+            return f"{type(self).__name__}({self.value!r})"
+        except Exception:  # noqa: BLE001  (a repr must not fail while Dynamo reports an error)
+            return f"{type(self).__name__}(<{type(self.value).__qualname__}>)"
 
     # ---- constant protocol -------------------------------------------------
     def python_type(self) -> type:

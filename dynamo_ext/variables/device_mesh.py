@@ -46,6 +46,12 @@ class DeviceMeshVariable(DistributedObjectVariable):
         return super().var_getattr(tx, name)
 
 
-def build_device_mesh(tx: Any, value: Any, source: Any) -> DeviceMeshVariable:
+def build_device_mesh(tx: Any, value: Any, source: Any) -> DeviceMeshVariable | None:
+    try:
+        guards.DEVICE_MESH.extract(value)
+    except AttributeError:
+        # A mesh still in its __init__ (Dynamo traces that frame after a graph
+        # break in the caller): not an object we can fold; stock handles it.
+        return None
     guards.install_spec_guard(source, guards.DEVICE_MESH)
     return DeviceMeshVariable(value, source=source)

@@ -18,6 +18,7 @@ from __future__ import annotations
 from typing import Any
 
 from .. import _compat, graph_breaks
+from .._patching import Patcher
 from .functions import fold_call, register_handler, register_polyfill
 
 # NOTE [meshes made while tracing]
@@ -222,11 +223,17 @@ def set_implicit_replication(value: bool) -> None:
     DTensor._op_dispatcher._allow_implicit_replication = value
 
 
-def register() -> None:
+def register(patches: Patcher) -> None:
     """Register the DTensor entry points this torch release has."""
     from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
     from torch.distributed.tensor import distribute_tensor as eager_distribute_tensor
 
+    # NOTE [mesh construction frames]: when mesh creation fails at trace time
+    # (bad arguments), Dynamo falls back to running it eagerly and would then
+    # trace DeviceMesh.__init__ as a frame of its own, with a half-built mesh
+    # as `self`.  Those frames are construction code, never user code: skip them.
+    for code in (init_device_mesh.__code__, DeviceMesh.__init__.__code__):
+        patches.on_undo(_compat.skip_frames_of(code))
     register_polyfill(eager_distribute_tensor, distribute_tensor, check=_check_distribute)
     register_handler(init_device_mesh, _mesh_handler(init_device_mesh))
     register_handler(DeviceMesh, _mesh_handler(DeviceMesh))
