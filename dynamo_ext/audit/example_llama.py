@@ -5,18 +5,20 @@ a ``("dp", "tp")`` mesh of shape (2, 2); attention and SwiGLU MLP weights are
 split over "tp" with ``parallelize_module`` (colwise q/k/v and gate/up,
 rowwise o and down), every block and the root are sharded over "dp" with
 FSDP2 ``fully_shard``; the model is compiled with ``torch.compile`` and takes
-one step: the compiled function runs forward, loss and ``loss.backward()``
-(traced with compiled autograd), then the optimizer steps eagerly.
+one step: the compiled model runs the forward, ``loss.backward()`` runs
+under compiled autograd (the backward and its hooks traced too), the
+optimizer steps eagerly.
 
 Also runnable under torchrun:
 ``torchrun --nproc-per-node 4 -m dynamo_ext.audit.example_llama``.
 Environment knobs: ``DYNAMO_EXT_EXAMPLE_BACKEND`` (default ``aot_eager``),
 ``DYNAMO_EXT_EXAMPLE_COMPILED_AUTOGRAD=0`` (leave the backward to eager
-autograd; Dynamo then breaks at ``loss.backward()``).
+autograd).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 
@@ -131,6 +133,17 @@ def parallelize(model: Decoder, mesh: object) -> Decoder:
     return model
 
 
+def compiled_backward(backend: str, *, enabled: bool = True) -> contextlib.AbstractContextManager[object]:
+    """Trace the backward (FSDP2's and TP's hooks included) with compiled autograd.
+
+    ``torch._dynamo.compiled_autograd._enable`` is private; it is what
+    torchtitan's training loop uses too.  Without it the backward runs eagerly.
+    """
+    if not enabled:
+        return contextlib.nullcontext()
+    return torch._dynamo.compiled_autograd._enable(torch.compile(backend=backend))
+
+
 def main() -> None:
     """One compiled training step on a (dp=2, tp=2) mesh; needs 4 ranks."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -142,26 +155,22 @@ def main() -> None:
     if world != 4:
         raise ValueError(f"the bundled example needs 4 ranks for its (dp=2, tp=2) mesh, got {world}; use --nproc 4")
     backend = os.environ.get("DYNAMO_EXT_EXAMPLE_BACKEND", "aot_eager")
-    # The backward is traced too (hooks included) with compiled autograd, as the
-    # step calls loss.backward() inside the compiled function.
-    torch._dynamo.config.compiled_autograd = os.environ.get("DYNAMO_EXT_EXAMPLE_COMPILED_AUTOGRAD", "1") == "1"
+    trace_backward = os.environ.get("DYNAMO_EXT_EXAMPLE_COMPILED_AUTOGRAD", "1") == "1"
 
     cfg = Config()
     torch.manual_seed(0)
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     model = parallelize(Decoder(cfg), mesh)
     optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
-
-    def train_step(tokens: torch.Tensor) -> torch.Tensor:
-        logits = model(tokens[:, :-1])
-        loss = F.cross_entropy(logits.reshape(-1, cfg.vocab), tokens[:, 1:].reshape(-1))
-        loss.backward()
-        return loss
+    compiled = torch.compile(model, backend=backend)
 
     dp_rank = mesh["dp"].get_local_rank()
     gen = torch.Generator().manual_seed(1234 + dp_rank)  # same batch on both tp ranks of a dp group
     tokens = torch.randint(0, cfg.vocab, (cfg.batch, cfg.seq + 1), generator=gen)
-    loss = torch.compile(train_step, backend=backend)(tokens)
+    logits = compiled(tokens[:, :-1])
+    loss = F.cross_entropy(logits.reshape(-1, cfg.vocab), tokens[:, 1:].reshape(-1))
+    with compiled_backward(backend, enabled=trace_backward):
+        loss.backward()
     optim.step()
     optim.zero_grad()
     if dist.get_rank() == 0:
