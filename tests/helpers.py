@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import functools
 import os
 import re
 import socket
@@ -97,5 +96,5 @@ def run_on_ranks(fn: Callable[..., Any], *args: Any, nproc: int = 4, plugin: boo
         start_method="spawn",
     )
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    out = elastic_launch(config, functools.partial(_rank_entry, fn, plugin))(*args)
+    out = elastic_launch(config, _rank_entry)(fn, plugin, args)
     return [out[r] for r in range(nproc)]
