@@ -178,8 +178,11 @@ class DistributedObjectVariable(VariableTracker):
             return GetAttrVariable(self, name)
         if name == "__class__":
             return wrap_constant(tx, type(self.value))
-        attr = getattr(self.value, name, _NO_VALUE)
-        if attr is not _NO_VALUE and is_literal(attr):
+        try:
+            attr = getattr(self.value, name)
+        except AttributeError as e:  # what eager raises
+            raise_user_error(tx, e)
+        if is_literal(attr):
             # Plain data on a guarded object (e.g. a mesh's group names) is constant too.
             return wrap_constant(tx, attr)
         graph_breaks.graph_break(
