@@ -185,11 +185,7 @@ class DistributedObjectVariable(VariableTracker):
         if is_literal(attr):
             # Plain data on a guarded object (e.g. a mesh's group names) is constant too.
             return wrap_constant(tx, attr)
-        graph_breaks.graph_break(
-            graph_breaks.UNSUPPORTED_ATTRIBUTE,
-            f"{type(self.value).__qualname__}.{name}",
-            extra_hints=(f"Supported on a {self.KIND}: {sorted(self.CONSTANT_ATTRS | self.PURE_METHODS)}",),
-        )
+        self._unsupported(name)
 
     # torch 2.14+ renamed the tracker protocol after CPython's type slots.
     def tp_getattro_impl(self, tx: Any, name: str) -> Any:
@@ -218,7 +214,16 @@ class DistributedObjectVariable(VariableTracker):
         if fn is not None:
             # Any other Python-level method: inline its code with self as this tracker.
             return _compat.user_function_variable(fn).call_function(tx, [self, *args], kwargs)
+        if not name.startswith("__"):
+            self._unsupported(name)
         return super().call_method(tx, name, args, kwargs)
+
+    def _unsupported(self, name: str) -> None:
+        graph_breaks.graph_break(
+            graph_breaks.UNSUPPORTED_ATTRIBUTE,
+            f"{type(self.value).__qualname__}.{name}",
+            extra_hints=(f"Supported on a {self.KIND}: {sorted(self.CONSTANT_ATTRS | self.PURE_METHODS)}",),
+        )
 
     def call_pure_method(self, tx: Any, name: str, args: list[Any], kwargs: dict[str, Any]) -> Any:
         """Evaluate ``self.value.<name>(*args)`` at trace time; arguments must be constants."""
