@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 from corpus import case
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
 
 def _x(env, *shape):
@@ -107,3 +107,76 @@ def case_ext_bad_mesh_size(env):
         return x * mesh.size()
 
     return fn, (_x(env, 2),)
+
+
+@case("dtensor", "ext")
+def case_ext_from_local_run_check_default(env):
+    m = env.mesh1d
+
+    def fn(x):
+        d = DTensor.from_local(x, m, [Shard(0)])  # run_check defaults to True
+        return d.redistribute(m, [Replicate()]).to_local()
+
+    return fn, (_x(env, 2, 3),)
+
+
+@case("dtensor", "ext")
+def case_ext_from_local_shape_stride_uneven(env):
+    m = env.mesh1d
+    rows = 3 if env.rank < env.world_size - 1 else 1  # 10 rows over 4 ranks
+
+    def fn(x):
+        d = DTensor.from_local(x, m, [Shard(0)], run_check=False, shape=(10, 2), stride=(2, 1))
+        return d.full_tensor() * 2
+
+    return fn, (_x(env, rows, 2),)
+
+
+@case("dtensor", "comm", "ext")
+def case_ext_redistribute_async(env):
+    m = env.mesh2d
+
+    def fn(x):
+        d = DTensor.from_local(x, m, [Shard(0), Partial()], run_check=False)
+        y = d.redistribute(m, [Replicate(), Replicate()], async_op=True)
+        return y.to_local() + 1
+
+    return fn, (_x(env, 2, 4),)
+
+
+@case("dtensor", "ext")
+def case_ext_local_map(env):
+    from torch.distributed.tensor.experimental import local_map
+
+    m = env.mesh1d
+    scaled = local_map(lambda t, s: t * s, out_placements=[Shard(0)], in_placements=([Shard(0)], None), device_mesh=m)
+
+    def fn(x):
+        d = DTensor.from_local(x, m, [Shard(0)], run_check=False)
+        return scaled(d, 3.0).to_local()
+
+    return fn, (_x(env, 2, 2),)
+
+
+@case("mesh", "ext")
+def case_ext_mesh_multi_slice_flatten_layout(env):
+    m = env.mesh2d
+
+    def fn(x):
+        both = m["dp", "tp"]
+        flat = m._flatten("dp_tp")
+        return x * flat.size() + both.mesh.sum() + m.mesh[0, 0] + flat.get_local_rank()
+
+    return fn, (_x(env, 3),)
+
+
+@case("guard", "ext", expect_graphs=2)
+def case_ext_guard_mesh_names(env):
+    a = env.mesh2d
+    b = init_device_mesh("cpu", (2, env.world_size // 2), mesh_dim_names=("x", "y"))
+
+    def fn(t, mesh):
+        return t * (10 if mesh.mesh_dim_names[0] == "dp" else 20)
+
+    t = _x(env, 2)
+    return fn, (t, a), [(t, a), (t, b), (t, a)]

@@ -29,4 +29,4 @@ def test_corpus_with_plugin(backend, tmp_path):
     rows = json.loads(out.read_text())["rows"]
     failed = [r for r in rows if not (r.get("fullgraph") and r.get("match") and "error" not in r)]
     assert not failed, "\n".join(f"{r['case']}: {r.get('error') or r.get('fullgraph_error') or 'mismatch'}" for r in failed)
-    assert len(rows) >= 39 + 8 and proc.returncode == 0
+    assert len(rows) >= 39 + 14 and proc.returncode == 0
