@@ -51,13 +51,13 @@ NON_TRACEABLE = (
 
 
 def unsupported(call: str, why: str) -> NoReturn:
-    """Traced: a graph break naming ``call`` and ``why``; both must be constants."""
-    raise RuntimeError(f"{call}: {why} (dynamo_ext.variables.c10d_breaks.unsupported is only traced)")
+    """Traced: a graph break naming ``call`` and ``why`` (constants).  Run eagerly: ``RuntimeError``."""
+    raise RuntimeError(f"{call}: {why}")
 
 
 def untraceable(call: str, why: str) -> NoReturn:
-    """Traced: a graph break of kind :data:`UNTRACEABLE_COLLECTIVE` naming ``call`` and ``why``."""
-    raise RuntimeError(f"{call}: {why} (dynamo_ext.variables.c10d_breaks.untraceable is only traced)")
+    """Like :func:`unsupported`, with the kind :data:`UNTRACEABLE_COLLECTIVE`."""
+    raise RuntimeError(f"{call}: {why}")
 
 
 def _break_check(kind: GraphBreakType) -> Any:
