@@ -32,6 +32,9 @@ class LoweringOptions:
     one_shot: bool = True
     """On CUDA with symmetric memory for the group, fuse the all-reduce itself (one-shot Triton kernel)."""
 
+    one_shot_device_types: tuple[str, ...] = ("cuda",)
+    """Devices whose symmetric memory the one-shot kernel runs on (tests add "cpu" to check codegen)."""
+
     one_shot_max_bytes: int = 1 << 20
     """Largest all-reduce input (bytes) the one-shot kernel takes; each rank reads every peer's copy."""
 

@@ -257,13 +257,30 @@ def should_fuse_residual_rms_norm(match: ResidualRMSNormMatch, pos: dict[torch.f
     return match.weight is None or pos[match.weight] < pos[match.add]
 
 
+def _one_shot_dtypes_supported(match: ResidualRMSNormMatch) -> bool:
+    from .kernels.one_shot_all_reduce_rms_norm import output_dtypes
+
+    weight = _val(match.weight)
+    try:
+        output_dtypes(
+            _val(match.reduced).dtype,
+            None if weight is None else weight.dtype,
+            upcast=match.upcast,
+            mid_dtype=match.mid_dtype,
+            out_dtype=match.out_dtype,
+        )
+    except ValueError:
+        return False
+    return True
+
+
 def should_lower_as_one_shot(match: ResidualRMSNormMatch) -> bool:
-    """Fold the all-reduce in too: CUDA, sum, symmetric memory for the group, small enough."""
+    """Fold the all-reduce in too: CUDA, sum, symmetric memory for the group, small, supported dtypes."""
     val = _val(match.all_reduce.args[0])
     return (
         options.one_shot
         and isinstance(val, torch.Tensor)
-        and val.device.type == "cuda"
+        and val.device.type in options.one_shot_device_types
         and match.reduce_op == "sum"
         and len(match.wait.users) == 1
         and val.dtype in (torch.float32, torch.bfloat16, torch.float16)
@@ -272,6 +289,7 @@ def should_lower_as_one_shot(match: ResidualRMSNormMatch) -> bool:
         and _compat.has_triton()
         and _compat.comm_buffer_api() is not None
         and _compat.is_symm_mem_enabled_for_group(match.group_name)
+        and _one_shot_dtypes_supported(match)
     )
 
 
@@ -327,6 +345,12 @@ def rewrite(graph: torch.fx.Graph, match: ResidualRMSNormMatch, *, one_shot: boo
     if one_shot:
         graph.erase_node(match.wait)
         graph.erase_node(match.all_reduce)
+    for item in items:  # outputs nobody reads (rstd outside training): no getitem, no wait
+        if not item.users:
+            getitem = item.args[0] if one_shot else None
+            graph.erase_node(item)
+            if getitem is not None and not getitem.users:
+                graph.erase_node(getitem)
 
 
 def fuse_residual_rms_norm(graph: torch.fx.Graph) -> int:
@@ -470,12 +494,13 @@ RESIDUAL_RMS_NORM_RULE = LoweringRule(
 def should_lower_one_shot_collective(
     input: Any, residual: Any, weight: Any, eps: float, upcast: Any, mid_dtype: Any, out_dtype: Any, group_name: str
 ) -> bool:
-    """Lowering-time check: a CUDA buffer we can place in symmetric memory, static shape."""
+    """Lowering-time check (as stock's one-shot lowering does): symmetric memory, device, static shape."""
     device = input.get_device()
     return (
         device is not None
-        and device.type == "cuda"
+        and device.type in options.one_shot_device_types
         and _compat.comm_buffer_api() is not None
+        and _compat.is_symm_mem_enabled_for_group(group_name)
         and all(getattr(s, "is_number", False) for s in input.get_size())
         and list(input.get_size()) == list(residual.get_size())
     )

@@ -1,0 +1,114 @@
+"""Where a rank finds its peers' buffers and signal pads, for the one-shot kernels.
+
+Two sources give the same :class:`PeerBuffers`:
+
+- :meth:`PeerBuffers.from_symmetric_memory`: CUDA symmetric memory (the tables of
+  peer addresses live on the device, from ``rendezvous``);
+- :func:`create_host_shared` + :meth:`PeerBuffers.open_host_shared`: one file per
+  rank (buffer) and per rank (signal pad) in a directory, mapped ``MAP_SHARED`` into
+  every process with ``torch.from_file(shared=True)``, so kernels run by the Triton
+  interpreter in separate CPU processes read each other's memory through raw
+  addresses, exactly as GPUs read peers' memory over NVLink.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+import torch
+
+from .. import _compat
+
+SIGNAL_SLOT_BYTES = 4  # one int32 per (program, peer)
+
+
+@dataclasses.dataclass(frozen=True)
+class PeerBuffers:
+    """Addresses a kernel on ``rank`` needs; ``keepalive`` holds what backs them."""
+
+    rank: int
+    world_size: int
+    buffer_ptrs: int
+    """Address of an int64[world_size] table: each rank's buffer base, as this process sees it."""
+    signal_pad_ptrs: int
+    """Address of an int64[world_size] table: each rank's signal pad."""
+    local_buffer: int
+    buffer_nbytes: int
+    max_blocks: int
+    """Programs the signal pads have slots for (``signal_pad_bytes / 4 / world_size``)."""
+    keepalive: tuple[Any, ...] = ()
+
+    def element_offset(self, tensor: torch.Tensor) -> int:
+        """``tensor``'s offset in elements inside this rank's buffer (the same on every rank)."""
+        start = tensor.data_ptr() - self.local_buffer
+        end = start + tensor.numel() * tensor.element_size()
+        if start < 0 or end > self.buffer_nbytes or start % tensor.element_size():
+            raise ValueError(
+                f"tensor at 0x{tensor.data_ptr():x} ({tensor.numel()} x {tensor.dtype}) is not inside rank "
+                f"{self.rank}'s peer buffer [0x{self.local_buffer:x}, +{self.buffer_nbytes}); allocate it from "
+                "the buffer (symm_mem.empty / PeerBuffers.local_tensor)"
+            )
+        return start // tensor.element_size()
+
+    def local_tensor(self, shape: tuple[int, ...], dtype: torch.dtype, *, offset: int = 0) -> torch.Tensor:
+        """A tensor over this rank's own buffer (host-shared buffers only)."""
+        storage = self.keepalive[0] if self.keepalive else None
+        if not isinstance(storage, list):
+            raise TypeError("local_tensor() is for host-shared buffers; with symmetric memory use symm_mem.empty()")
+        numel = 1
+        for s in shape:
+            numel *= s
+        return storage[self.rank].view(dtype)[offset : offset + numel].view(shape)
+
+    @classmethod
+    def from_symmetric_memory(cls, tensor: torch.Tensor, group_name: str) -> PeerBuffers:
+        """Rendezvous ``tensor`` (a symmetric-memory allocation) on ``group_name``.
+
+        Raises RuntimeError when ``tensor`` was not allocated from symmetric memory.
+        """
+        symm = _compat.symm_mem_rendezvous(tensor, group_name)
+        slots = int(symm.signal_pad_size) // SIGNAL_SLOT_BYTES // symm.world_size
+        sms = torch.cuda.get_device_properties(tensor.device).multi_processor_count
+        return cls(
+            rank=symm.rank,
+            world_size=symm.world_size,
+            buffer_ptrs=symm.buffer_ptrs_dev,
+            signal_pad_ptrs=symm.signal_pad_ptrs_dev,
+            local_buffer=symm.buffer_ptrs[symm.rank],
+            buffer_nbytes=symm.buffer_size,
+            max_blocks=max(1, min(slots, sms)),
+            keepalive=(symm,),
+        )
+
+    @classmethod
+    def open_host_shared(cls, directory: str, *, rank: int, world_size: int) -> PeerBuffers:
+        """Map every rank's files made by :func:`create_host_shared` into this process."""
+        buffers = [_map(os.path.join(directory, f"buffer{r}")) for r in range(world_size)]
+        pads = [_map(os.path.join(directory, f"signal{r}")) for r in range(world_size)]
+        buffer_table = torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64)
+        pad_table = torch.tensor([p.data_ptr() for p in pads], dtype=torch.int64)
+        return cls(
+            rank=rank,
+            world_size=world_size,
+            buffer_ptrs=buffer_table.data_ptr(),
+            signal_pad_ptrs=pad_table.data_ptr(),
+            local_buffer=buffers[rank].data_ptr(),
+            buffer_nbytes=buffers[rank].numel(),
+            max_blocks=max(1, pads[rank].numel() // SIGNAL_SLOT_BYTES // world_size),
+            keepalive=(buffers, pads, buffer_table, pad_table),
+        )
+
+
+def _map(path: str) -> torch.Tensor:
+    return torch.from_file(path, shared=True, size=os.path.getsize(path), dtype=torch.uint8)
+
+
+def create_host_shared(directory: str, *, world_size: int, buffer_nbytes: int, max_blocks: int) -> None:
+    """Create zeroed buffer and signal-pad files for ``world_size`` ranks (once, before any rank maps them)."""
+    pad_nbytes = max_blocks * world_size * SIGNAL_SLOT_BYTES
+    for r in range(world_size):
+        for name, size in ((f"buffer{r}", buffer_nbytes), (f"signal{r}", pad_nbytes)):
+            with open(os.path.join(directory, name), "wb") as f:
+                f.truncate(size)
