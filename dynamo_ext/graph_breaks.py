@@ -53,6 +53,12 @@ UNSUPPORTED_ATTRIBUTE = GraphBreakType(
     "dynamo-ext does not model this attribute or method of a distributed object.",
     ("Read it outside the compiled function and pass the result in.", SEE_DOCS),
 )
+FSDP_LAYOUT = GraphBreakType(
+    "dynamo_ext: unsupported FSDP2 layout",
+    "dynamo-ext traces FSDP2's forward hooks for parameters sharded on dim 0 "
+    "(plain, or FSDP over TP); this module's parameters are laid out otherwise.",
+    ("Use fully_shard's default shard placement, or compile the inner blocks only.",),
+)
 P2P_UNAVAILABLE = GraphBreakType(
     "dynamo_ext: point-to-point ops unavailable",
     "This torch release has no functional point-to-point collectives to trace "

@@ -180,3 +180,19 @@ def case_ext_guard_mesh_names(env):
 
     t = _x(env, 2)
     return fn, (t, a), [(t, a), (t, b), (t, a)]
+
+
+@case("module", "ext")
+def case_ext_fsdp2_over_tp_forward(env):
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    net = _Net()
+    net.b = nn.Linear(16, 6)  # TP needs the rows of b's output to be whole on each tp rank
+    tp, dp = env.mesh2d["tp"], env.mesh2d["dp"]
+    parallelize_module(net, tp, {"a": ColwiseParallel(), "b": RowwiseParallel()})
+    fully_shard(net.a, mesh=dp)
+    fully_shard(net.b, mesh=dp)
+    fully_shard(net, mesh=dp)
+    x = torch.randn(3, 8, generator=torch.Generator().manual_seed(env.rank // 2))  # same input across a tp group
+    return net, (x,), [(x,)]

@@ -8,8 +8,8 @@ to the numbers of a forward pass:
 - pre-forward: each parameter's local shard is all-gathered over the shard
   mesh axis (a functional collective, with autograd: its backward is a
   reduce-scatter), the padding FSDP adds to dim 0 is cut off, and the
-  unsharded tensor is set on the module as the parameter, as
-  ``FSDPParam.to_unsharded`` does;
+  unsharded tensor (for FSDP over TP, a DTensor on the TP mesh) is set on the
+  module as the parameter, as ``FSDPParam.to_unsharded`` does;
 - post-forward: the sharded parameter is set back, as ``FSDPParam.to_sharded``
   does.
 
@@ -55,7 +55,22 @@ def unshard_param(fsdp_param: Any) -> Any:
     group = fsdp_param.mesh_info.shard_process_group
     full = _all_gather_autograd()(local.contiguous(), 0, group)
     size = fsdp_param._orig_size
-    return torch.narrow(full, 0, 0, size[0]).reshape(size)
+    full = torch.narrow(full, 0, 0, size[0]).reshape(size)
+    if fsdp_param.is_dtensor:
+        # FSDP over TP: the gathered tensor is this rank's TP shard; the
+        # unsharded parameter is that shard as a DTensor on the TP mesh.
+        from torch.distributed.tensor import DTensor
+
+        spec = unsharded_spec(fsdp_param)
+        meta = spec.tensor_meta
+        full = DTensor.from_local(full, spec.mesh, spec.placements, run_check=False, shape=meta.shape, stride=meta.stride)
+    return full
+
+
+def unsharded_spec(fsdp_param: Any) -> Any:
+    """The ``DTensorSpec`` of an FSDP-over-TP parameter once unsharded (2.12+: ``_unsharded_dtensor_spec``, 2.11: ``_tp_spec``)."""
+    spec = getattr(fsdp_param, "_unsharded_dtensor_spec", None)
+    return spec if spec is not None else fsdp_param._tp_spec
 
 
 def _set_param(fsdp_param: Any, tensor: Any) -> None:
@@ -109,18 +124,17 @@ def _check_state(tx: Any, args: list[Any], kwargs: dict[str, Any]) -> None:
     state = getattr(args[0], "value", None)
     if state is None:
         graph_breaks.graph_break(
-            graph_breaks.UNSUPPORTED_ATTRIBUTE, "FSDP hook called on an FSDP state created inside the compiled function"
+            graph_breaks.FSDP_LAYOUT, "FSDP hook called on an FSDP state created inside the compiled function"
         )
     if getattr(state, "_is_root", False) is None:
         state._lazy_init()
     for group in param_groups(state):
         for p in group.fsdp_params:
-            if p.fsdp_placement.dim != 0 or getattr(p, "is_dtensor", False):
+            spmd = getattr(p.mesh_info, "is_spmd_mesh", False)
+            if p.fsdp_placement.dim != 0 or spmd:
                 graph_breaks.graph_break(
-                    graph_breaks.UNSUPPORTED_ATTRIBUTE,
-                    f"fully_shard parameter {p._module_info.param_name!r} with {p.fsdp_placement} "
-                    f"(dtensor param: {getattr(p, 'is_dtensor', False)})",
-                    extra_hints=("dynamo-ext traces FSDP2 forward for Shard(0) parameters on a plain mesh.",),
+                    graph_breaks.FSDP_LAYOUT,
+                    f"fully_shard parameter {p._module_info.param_name!r} with {p.fsdp_placement} (SPMD mesh: {spmd})",
                 )
 
 
