@@ -27,14 +27,20 @@ def _default_options():
     vars(options).update(saved)
 
 
-def grads_of_sizes(n: int = 32, *, dtype=torch.float32) -> list[torch.Tensor]:
-    """``n`` gradients of 1 KiB .. 64 KiB, odd shapes included."""
+def grads_of_sizes(n: int = 32, *, odd: bool = False) -> list[torch.Tensor]:
+    """``n`` fp32 gradients spread from 1 KiB to 64 KiB, every third one of shape (k, 1).
+
+    Sizes are multiples of 16 elements unless ``odd``: tails double the C++ compile time
+    of the pack kernel, and :func:`test_odd_sizes_land_at_the_right_offsets` covers them.
+    """
     g = torch.Generator().manual_seed(0)
-    sizes = [min(16384, int(256 * 64 ** (i / max(n - 1, 1))) + i % 5) for i in range(n)]
-    return [
-        torch.randn(s, generator=g).to(dtype).reshape(-1, 1) if i % 3 else torch.randn(s, generator=g).to(dtype)
-        for i, s in enumerate(sizes)
-    ]
+    out = []
+    for i in range(n):
+        numel = int(256 * 64 ** (i / max(n - 1, 1)))
+        numel = min(16384, numel + i % 5) if odd else numel // 16 * 16
+        t = torch.randn(numel, generator=g)
+        out.append(t.reshape(-1, 1) if i % 3 == 1 else t)
+    return out
 
 
 def scaled_all_reduces(*grads):
@@ -64,6 +70,14 @@ def test_32_small_all_reduces_become_one_with_one_pack_kernel(world):
     ).run(call)
     FileCheck().check("cpp_fused_cat_mul").check("0.25").run(code)
     assert call.count("reinterpret_tensor(") >= len(grads)
+    for o, g in zip(out, grads):
+        assert o.shape == g.shape and torch.equal(o, g * 0.25)
+
+
+def test_odd_sizes_land_at_the_right_offsets(world):
+    grads = grads_of_sizes(5, odd=True)
+    out, code = _compile(scaled_all_reduces, *grads)
+    assert _collective_calls(code[code.index("def call") :]) == 1
     for o, g in zip(out, grads):
         assert o.shape == g.shape and torch.equal(o, g * 0.25)
     dynamo_ext.uninstall()
