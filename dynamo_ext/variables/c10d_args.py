@@ -76,11 +76,11 @@ def group_peer(group: Any, global_rank: int | None, group_rank: int | None, what
     if group_rank is not None:
         if global_rank is not None:
             raise ValueError("Can't specify both group_rank and global_rank")
+    elif global_rank is None:
+        raise ValueError("Must specify global_rank or group_rank")
     else:
-        if global_rank is None:
-            raise ValueError("Must specify global_rank or group_rank")
         group_rank = global_rank if group is dist.group.WORLD else dist.get_group_rank(group, global_rank)
-    if not 0 <= group_rank < group.size():
+    if not not_in_group(group) and not 0 <= group_rank < group.size():
         raise RuntimeError(
             f"{what}: invalid {'' if global_rank is None else 'global '}rank "
             f"{group_rank if global_rank is None else global_rank}; the group has {group.size()} ranks "

@@ -28,17 +28,16 @@ UNTRACEABLE_COLLECTIVE = GraphBreakType(
     (MOVE_OUT, SEE_DOCS),
 )
 
-_USE_TENSORS = "Exchange tensors instead: the tensor collectives (all_gather_into_tensor, broadcast, scatter) trace."
 _CREATE_FIRST = "Create process groups once, before the compiled function, and pass them in."
 
 # (module, name, kind, hint); probed, so a function missing from a release is skipped.
 NON_TRACEABLE = (
-    ("torch.distributed", "all_gather_object", OBJECT_COLLECTIVE, _USE_TENSORS),
-    ("torch.distributed", "broadcast_object_list", OBJECT_COLLECTIVE, _USE_TENSORS),
-    ("torch.distributed", "gather_object", OBJECT_COLLECTIVE, _USE_TENSORS),
-    ("torch.distributed", "scatter_object_list", OBJECT_COLLECTIVE, _USE_TENSORS),
-    ("torch.distributed", "send_object_list", OBJECT_COLLECTIVE, _USE_TENSORS),
-    ("torch.distributed", "recv_object_list", OBJECT_COLLECTIVE, _USE_TENSORS),
+    ("torch.distributed", "all_gather_object", OBJECT_COLLECTIVE, ""),
+    ("torch.distributed", "broadcast_object_list", OBJECT_COLLECTIVE, ""),
+    ("torch.distributed", "gather_object", OBJECT_COLLECTIVE, ""),
+    ("torch.distributed", "scatter_object_list", OBJECT_COLLECTIVE, ""),
+    ("torch.distributed", "send_object_list", OBJECT_COLLECTIVE, ""),
+    ("torch.distributed", "recv_object_list", OBJECT_COLLECTIVE, ""),
     ("torch.distributed", "init_process_group", GROUP_CREATION, _CREATE_FIRST),
     ("torch.distributed", "destroy_process_group", GROUP_CREATION, "Destroy groups after the compiled function."),
     ("torch.distributed", "new_group", GROUP_CREATION, _CREATE_FIRST),

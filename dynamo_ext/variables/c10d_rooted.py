@@ -3,7 +3,8 @@
 - ``broadcast`` is ``_c10d_functional.broadcast`` (its ``src`` is a group rank,
   so a global ``src`` is translated first).
 - ``scatter`` and ``gather`` are one ``all_to_all_single`` whose split sizes
-  are zero except towards (from) the root: the same bytes move as in eager.
+  are zero except towards (from) the root: the same bytes move as in eager
+  (plus, for scatter, a leaf's copy to itself, see :func:`scatter_splits`).
   The root and the split sizes are constants of the trace (ranks are folded
   and guarded), so each rank's graph has its own sizes.
 - ``reduce`` is an ``all_reduce`` whose result only the destination copies
@@ -20,7 +21,7 @@
   after the graph (file writes, timing) relies on.  Within a graph, compute
   that does not depend on the barrier may move across it, as it may move
   across any collective; a per-call ``timeout`` cannot be honoured and is a
-  graph break.
+  graph break (``collectives.UNSUPPORTED_ARGS``).
 
 Argument checks raise what eager raises (``ValueError`` for a missing or
 misplaced list, a root given twice or outside the group; ``RuntimeError`` for
@@ -60,6 +61,19 @@ def reduce(tensor, dst=None, op=ReduceOp.SUM, group=None, async_op=False, group_
     return finish(FunctionalWork([out], [[tensor] if me == root else []]), async_op)
 
 
+def scatter_splits(n: int, root: int, me: int, world: int) -> tuple[list[int], list[int], int]:
+    """``(output splits, input splits, start)`` of a scatter of ``n`` elements per rank from ``root``.
+
+    A leaf sends its own ``n`` elements to itself and keeps the root's part,
+    from element ``start`` of the output: FakeProcessGroup rejects an empty
+    input next to a non-empty output, and a copy to oneself moves no data.
+    """
+    if me == root:
+        return [n if r == root else 0 for r in range(world)], [n] * world, 0
+    out_splits = [n if r in (root, me) else 0 for r in range(world)]
+    return out_splits, [n if r == me else 0 for r in range(world)], 0 if root < me else n
+
+
 def scatter(tensor, scatter_list=None, src=None, group=None, async_op=False, group_src=None):
     call = "dist.scatter"
     scatter_list = list(scatter_list) if scatter_list else []
@@ -80,21 +94,20 @@ def scatter(tensor, scatter_list=None, src=None, group=None, async_op=False, gro
             raise ValueError("Argument ``scatter_list`` must be specified on source rank.")
         if len(scatter_list) != world:
             raise RuntimeError(
-                f"{call}: Incorrect input list size {len(scatter_list)}. Input list size should be {world}, same as size of the process group."
+                f"{call}: Incorrect input list size {len(scatter_list)}. "
+                f"Input list size should be {world}, same as size of the process group."
             )
         for t in scatter_list:
             if t.numel() != n:
                 unsupported(call, "scatter_list tensors of a size other than the output tensor's")
         inp = torch.cat([t.reshape(-1) for t in scatter_list])
-        in_splits = [n] * world
     else:
         if scatter_list:
             raise ValueError("Argument ``scatter_list`` must NOT be specified on non-source ranks.")
-        inp = tensor.new_empty(0)
-        in_splits = [0] * world
-    out_splits = [n if r == root else 0 for r in range(world)]
+        inp = tensor.reshape(-1)
+    out_splits, in_splits, start = scatter_splits(n, root, me, world)
     out = _C.all_to_all_single(inp, out_splits, in_splits, name)
-    return finish(FunctionalWork([out], [[tensor]]), async_op)
+    return finish(FunctionalWork([out], [[tensor]], start=start), async_op)
 
 
 def gather(tensor, gather_list=None, dst=None, group=None, async_op=False, group_dst=None):
@@ -135,8 +148,6 @@ def gather(tensor, gather_list=None, dst=None, group=None, async_op=False, group
 def barrier(group=None, async_op=False, device_ids=None, timeout=None):
     if not_in_group(group):
         return None
-    if timeout is not None:
-        unsupported("dist.barrier", "a per-call timeout (the group's timeout applies to collectives in a graph)")
     name, _, _ = group_info(group)
     token = torch.zeros(1, device=barrier_device(group, device_ids))
     out = _C.all_reduce(token, "sum", name)

@@ -39,24 +39,25 @@ def wait_tensor(tensor: torch.Tensor) -> torch.Tensor:
     return torch.ops._c10d_functional.wait_tensor(tensor)
 
 
-def copy_into(result: torch.Tensor, outputs: list[torch.Tensor]) -> None:
-    """Copy a waited collective ``result`` into ``outputs``, which tile it in order.
+def copy_into(result: torch.Tensor, outputs: list[torch.Tensor], start: int = 0) -> None:
+    """Copy a waited collective ``result`` into ``outputs``, which tile it in order from element ``start``.
 
     One output of the same size takes it whole (viewed to its shape, so a
     ``(world, n)`` output of an all-gather of ``n`` works); ``k`` outputs of
     ``result[i]``'s shape take ``result[0..k)``; otherwise outputs take
     consecutive runs of ``result``'s elements.
     """
-    if len(outputs) == 1 and outputs[0].numel() == result.numel():
+    if start == 0 and len(outputs) == 1 and outputs[0].numel() == result.numel():
         out = outputs[0]
         out.copy_(result if result.shape == out.shape else result.view(out.shape))
         return
-    if result.dim() > 0 and result.shape[0] == len(outputs) and all(o.shape == result.shape[1:] for o in outputs):
+    rows = result.dim() > 0 and result.shape[0] == len(outputs)
+    if start == 0 and rows and all(o.shape == result.shape[1:] for o in outputs):
         for i, out in enumerate(outputs):
             out.copy_(result[i])
         return
     flat = result.reshape(-1)
-    offset = 0
+    offset = start
     for out in outputs:
         n = out.numel()
         out.copy_(flat[offset : offset + n].view(out.shape))
@@ -68,15 +69,22 @@ class FunctionalWork:
 
     ``pending[i]`` is a functional collective's (unwaited) output and
     ``outputs[i]`` the user tensors it is copied into on ``wait()`` (empty for
-    sends and barriers).  ``source`` is the sender's global rank for a receive.
+    sends and barriers), from element ``start`` of it on.  ``source`` is the
+    sender's global rank for a receive.
     """
 
     def __init__(
-        self, pending: list[torch.Tensor], outputs: list[list[torch.Tensor]], source: int | None = None
+        self,
+        pending: list[torch.Tensor],
+        outputs: list[list[torch.Tensor]],
+        *,
+        source: int | None = None,
+        start: int = 0,
     ) -> None:
         self._pending = pending
         self._outputs = outputs
         self._source = source
+        self._start = start
         self._completed = False
 
     def wait(self, timeout: Any = None) -> bool:
@@ -89,7 +97,7 @@ class FunctionalWork:
             for pending, outputs in zip(self._pending, self._outputs):
                 result = wait_tensor(pending)
                 if outputs:
-                    copy_into(result, outputs)
+                    copy_into(result, outputs, self._start)
             self._completed = True
         return True
 

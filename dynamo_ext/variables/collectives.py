@@ -35,6 +35,8 @@ from .functions import register_graph_break, register_polyfill
 CONSTANT_ARGS = frozenset(
     "op group async_op src dst group_src group_dst peer group_peer tag device_ids timeout".split()
 )
+# Arguments with no functional counterpart unless None: name -> why.
+UNSUPPORTED_ARGS = {"timeout": "a per-call timeout cannot be honoured in a graph (the group's timeout applies)"}
 _VALID_OPS = ", ".join(f"ReduceOp.{op.name}" for op in REDUCE_OPS)
 
 # (torch.distributed name, polyfill, functional ops it needs)
@@ -71,16 +73,23 @@ def make_check(fn: Callable[..., Any], call: str) -> Callable[[Any, list[Any], d
             bound = sig.bind(*args, **kwargs)
         except TypeError:
             return  # inlining the polyfill raises the TypeError eager raises
+        op = bound.arguments.get("op") if takes_reduce_op else None
+        if op is not None:
+            value = const_args([op], {})
+            if value is None or reduce_op_name(value[0][0]) is None:
+                graph_breaks.graph_break(
+                    graph_breaks.UNSUPPORTED_COLLECTIVE_ARGS,
+                    f"{call}(op={op.as_python_constant() if value else op.python_type().__name__ + ' instance'}): "
+                    "this reduce op has no functional collective (PREMUL_SUM and custom ops have none)",
+                    extra_hints=(f"Functional collectives take {_VALID_OPS}.",),
+                )
+        for name, why in UNSUPPORTED_ARGS.items():
+            vt = bound.arguments.get(name)
+            if vt is not None and not (vt.is_python_constant() and vt.as_python_constant() is None):
+                graph_breaks.graph_break(graph_breaks.UNSUPPORTED_COLLECTIVE_ARGS, f"{call}({name}=...): {why}")
         for name, vt in bound.arguments.items():
             if name in CONSTANT_ARGS and const_args([vt], {}) is None:
                 graph_breaks.graph_break(graph_breaks.NON_CONSTANT_ARGUMENT, f"{call}({name}={vt})")
-        op = bound.arguments.get("op") if takes_reduce_op else None
-        if op is not None and reduce_op_name(const_args([op], {})[0][0]) is None:
-            graph_breaks.graph_break(
-                graph_breaks.UNSUPPORTED_COLLECTIVE_ARGS,
-                f"{call}(op={op.as_python_constant()!r}): this reduce op has no functional collective",
-                extra_hints=(f"Functional collectives take {_VALID_OPS}.",),
-            )
 
     return check
 

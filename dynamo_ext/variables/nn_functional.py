@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 from .c10d_args import group_info, group_peer, reduce_op_name
 from .c10d_collectives import split_sizes
+from .c10d_rooted import scatter_splits
 from .c10d_work import wait_tensor
 
 ReduceOp = dist.ReduceOp
@@ -129,35 +130,36 @@ class _Gather(torch.autograd.Function):
     """The root gets every rank's flattened tensor, ``(world * n,)``; the others zeros."""
 
     @staticmethod
-    def forward(ctx, flat, root, is_root, world, name):
-        ctx.root, ctx.is_root, ctx.world, ctx.name = root, is_root, world, name
-        out_splits, in_splits = _to_root(flat.numel(), root, world, is_root)
+    def forward(ctx, flat, root, me, world, name):
+        ctx.root, ctx.me, ctx.world, ctx.name = root, me, world, name
+        out_splits, in_splits = _to_root(flat.numel(), root, world, me == root)
         out = _a2a(flat, out_splits, in_splits, name)
-        return out if is_root else flat.new_zeros(world * flat.numel())
+        return out if me == root else flat.new_zeros(world * flat.numel())
 
     @staticmethod
     def backward(ctx, grad):
         n = grad.numel() // ctx.world
-        in_splits, out_splits = _to_root(n, ctx.root, ctx.world, ctx.is_root)
-        src = grad if ctx.is_root else grad.new_empty(0)
-        return _a2a(src, out_splits, in_splits, ctx.name), None, None, None, None
+        out_splits, in_splits, start = scatter_splits(n, ctx.root, ctx.me, ctx.world)
+        out = _a2a(grad if ctx.me == ctx.root else grad[:n], out_splits, in_splits, ctx.name)
+        return out[start : start + n], None, None, None, None
 
 
 class _Scatter(torch.autograd.Function):
-    """Each rank gets its ``n`` elements of the root's flattened ``(world * n,)``."""
+    """This rank's ``n`` elements of the root's flattened ``(world * n,)``, at ``[start, start + n)`` of the output."""
 
     @staticmethod
-    def forward(ctx, flat, root, is_root, world, name):
-        ctx.root, ctx.is_root, ctx.world, ctx.name = root, is_root, world, name
+    def forward(ctx, flat, root, me, world, name):
         n = flat.numel() // world
-        in_splits, out_splits = _to_root(n, root, world, is_root)
-        return _a2a(flat if is_root else flat.new_empty(0), out_splits, in_splits, name)
+        out_splits, in_splits, start = scatter_splits(n, root, me, world)
+        ctx.root, ctx.me, ctx.world, ctx.name, ctx.n, ctx.start = root, me, world, name, n, start
+        return _a2a(flat if me == root else flat[:n], out_splits, in_splits, name)
 
     @staticmethod
     def backward(ctx, grad):
-        out_splits, in_splits = _to_root(grad.numel(), ctx.root, ctx.world, ctx.is_root)
-        out = _a2a(grad, out_splits, in_splits, ctx.name)
-        return (out if ctx.is_root else grad.new_zeros(ctx.world * grad.numel())), None, None, None, None
+        n, is_root = ctx.n, ctx.me == ctx.root
+        out_splits, in_splits = _to_root(n, ctx.root, ctx.world, is_root)
+        out = _a2a(grad[ctx.start : ctx.start + n], out_splits, in_splits, ctx.name)
+        return (out if is_root else grad.new_zeros(ctx.world * n)), None, None, None, None
 
 
 # ---- the polyfills: torch.distributed.nn.functional's signatures --------------
@@ -220,7 +222,7 @@ def reduce(tensor, dst, op=ReduceOp.SUM, group=None):
 def gather(tensor, dst=0, group=None):
     root = group_peer(group, dst, None, "torch.distributed.nn.functional.gather")
     name, world, me = group_info(group)
-    out = _Gather.apply(tensor.reshape(-1), root, me == root, world, name)
+    out = _Gather.apply(tensor.reshape(-1), root, me, world, name)
     return tuple(out.view(world, *tensor.shape).unbind(0))
 
 
@@ -228,7 +230,9 @@ def scatter(tensors, src=0, group=None):
     root = group_peer(group, src, None, "torch.distributed.nn.functional.scatter")
     name, world, me = group_info(group)
     flat = torch.cat([t.reshape(-1) for t in tensors])
-    return _Scatter.apply(flat, root, me == root, world, name).view(tensors[0].shape)
+    n = flat.numel() // world
+    start = scatter_splits(n, root, me, world)[2]
+    return _Scatter.apply(flat, root, me, world, name)[start : start + n].view(tensors[0].shape)
 
 
 # (torch.distributed.nn.functional name, polyfill, functional ops it needs)
