@@ -111,7 +111,28 @@ def barrier_device(group: Any, device_ids: Any) -> torch.device:
     return torch.device(accel_type, torch.accelerator.current_device_index())
 
 
-HELPERS = (reduce_op_name, group_or_default, group_info, not_in_group, group_peer, global_rank, barrier_device)
+class KeepAliveTokens:
+    """One one-byte tensor per device, as attributes (``cpu``, ``cuda_0``): see NOTE [keep-alive]."""
+
+
+def keep_alive_token(device: torch.device) -> str:
+    """The name of ``device``'s token on :class:`KeepAliveTokens`, made on first use."""
+    name = str(device).replace(":", "_")
+    if not hasattr(KeepAliveTokens, name):
+        setattr(KeepAliveTokens, name, torch.zeros((), dtype=torch.uint8, device=device))
+    return name
+
+
+HELPERS = (
+    keep_alive_token,
+    reduce_op_name,
+    group_or_default,
+    group_info,
+    not_in_group,
+    group_peer,
+    global_rank,
+    barrier_device,
+)
 
 
 def register() -> None:

@@ -16,12 +16,15 @@
   waiting on an all-reduce gives: no rank's ``wait_tensor`` returns before
   every rank has contributed.  So ``barrier()`` is an ``all_reduce`` of a
   one-element zero tensor on the device eager would use, followed by
-  ``wait_tensor`` (side-effectful in FX, so neither is dead-code eliminated).
+  ``wait_tensor``, kept in training graphs too (NOTE [keep-alive]).
   Tracing it as a no-op would silently drop the synchronisation that code
   after the graph (file writes, timing) relies on.  Within a graph, compute
   that does not depend on the barrier may move across it, as it may move
   across any collective; a per-call ``timeout`` cannot be honoured and is a
   graph break (``collectives.UNSUPPORTED_ARGS``).
+
+Only some ranks use each of these results (the root, the leaves), so their
+works keep them alive (NOTE [keep-alive] in ``c10d_work``).
 
 Argument checks raise what eager raises (``ValueError`` for a missing or
 misplaced list, a root given twice or outside the group; ``RuntimeError`` for
@@ -49,7 +52,7 @@ def broadcast(tensor, src=None, group=None, async_op=False, group_src=None):
     name, _, me = group_info(group)
     out = _C.broadcast(tensor, root, name)
     # The root's tensor already holds the value; only the others copy.
-    return finish(FunctionalWork([out], [[] if me == root else [tensor]]), async_op)
+    return finish(FunctionalWork([out], [[] if me == root else [tensor]], keep=True), async_op)
 
 
 def reduce(tensor, dst=None, op=ReduceOp.SUM, group=None, async_op=False, group_dst=None):
@@ -58,7 +61,7 @@ def reduce(tensor, dst=None, op=ReduceOp.SUM, group=None, async_op=False, group_
         return None
     name, _, me = group_info(group)
     out = _C.all_reduce(tensor, reduce_op_name(op), name)
-    return finish(FunctionalWork([out], [[tensor] if me == root else []]), async_op)
+    return finish(FunctionalWork([out], [[tensor] if me == root else []], keep=True), async_op)
 
 
 def scatter_splits(n: int, root: int, me: int, world: int) -> tuple[list[int], list[int], int]:
@@ -107,7 +110,7 @@ def scatter(tensor, scatter_list=None, src=None, group=None, async_op=False, gro
         inp = tensor.reshape(-1)
     out_splits, in_splits, start = scatter_splits(n, root, me, world)
     out = _C.all_to_all_single(inp, out_splits, in_splits, name)
-    return finish(FunctionalWork([out], [[tensor]], start=start), async_op)
+    return finish(FunctionalWork([out], [[tensor]], start=start, keep=True), async_op)
 
 
 def gather(tensor, gather_list=None, dst=None, group=None, async_op=False, group_dst=None):
@@ -142,7 +145,7 @@ def gather(tensor, gather_list=None, dst=None, group=None, async_op=False, group
         out_splits = [0] * world
     in_splits = [n if r == root else 0 for r in range(world)]
     out = _C.all_to_all_single(tensor.reshape(-1), out_splits, in_splits, name)
-    return finish(FunctionalWork([out], [gather_list]), async_op)
+    return finish(FunctionalWork([out], [gather_list], keep=True), async_op)
 
 
 def barrier(group=None, async_op=False, device_ids=None, timeout=None):
@@ -151,4 +154,4 @@ def barrier(group=None, async_op=False, device_ids=None, timeout=None):
     name, _, _ = group_info(group)
     token = torch.zeros(1, device=barrier_device(group, device_ids))
     out = _C.all_reduce(token, "sum", name)
-    return finish(FunctionalWork([out], [[]]), async_op)
+    return finish(FunctionalWork([out], [[]], keep=True), async_op)

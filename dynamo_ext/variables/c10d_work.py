@@ -23,6 +23,18 @@ output and ``wait()`` runs eagerly after the graph: ``wait_tensor`` then waits
 on the in-flight collective, as funcol's ``AsyncCollectiveTensor`` does.  It
 is not a ``torch.distributed.Work`` (``isinstance`` is ``False``), and
 ``get_future()`` is a graph break: a future cannot be recorded in a graph.
+
+NOTE [keep-alive]
+AOTAutograd's partitioner builds the forward and backward graphs of a
+training graph from their outputs, so a collective whose waited result
+feeds no output is dropped, although ``wait_tensor`` is side-effectful in
+FX.  Where only some ranks use the result (a send, a gather's leaves, a
+reduce's non-destination ranks, a broadcast's root, a barrier) the others
+would then wait forever.  Such works therefore "use" their result: a
+one-byte token per device (a global tensor, so a graph input) is
+incremented by a byte of the result (:func:`keep_alive`), and AOTAutograd
+keeps input mutations.  Collectives every rank uses alike (all_reduce, ...)
+are left as the user wrote them.
 """
 
 from __future__ import annotations
@@ -31,12 +43,19 @@ from typing import Any
 
 import torch
 
+from .c10d_args import KeepAliveTokens, keep_alive_token
 from .c10d_breaks import untraceable
 
 
 def wait_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """``_c10d_functional.wait_tensor``: the point where a collective's output becomes readable."""
     return torch.ops._c10d_functional.wait_tensor(tensor)
+
+
+def keep_alive(result: torch.Tensor) -> None:
+    """Make a graph output depend on ``result`` at the cost of a one-byte read (NOTE [keep-alive])."""
+    token = getattr(KeepAliveTokens, keep_alive_token(result.device))
+    token.add_(result.reshape(-1)[:1].view(torch.uint8).sum())
 
 
 def copy_into(result: torch.Tensor, outputs: list[torch.Tensor], start: int = 0) -> None:
@@ -70,7 +89,8 @@ class FunctionalWork:
     ``pending[i]`` is a functional collective's (unwaited) output and
     ``outputs[i]`` the user tensors it is copied into on ``wait()`` (empty for
     sends and barriers), from element ``start`` of it on.  ``source`` is the
-    sender's global rank for a receive.
+    sender's global rank for a receive; ``keep`` marks a collective that only
+    some ranks use (NOTE [keep-alive]).
     """
 
     def __init__(
@@ -80,11 +100,13 @@ class FunctionalWork:
         *,
         source: int | None = None,
         start: int = 0,
+        keep: bool = False,
     ) -> None:
         self._pending = pending
         self._outputs = outputs
         self._source = source
         self._start = start
+        self._keep = keep
         self._completed = False
 
     def wait(self, timeout: Any = None) -> bool:
@@ -98,6 +120,8 @@ class FunctionalWork:
                 result = wait_tensor(pending)
                 if outputs:
                     copy_into(result, outputs, self._start)
+                if self._keep:
+                    keep_alive(result)
             self._completed = True
         return True
 

@@ -24,6 +24,8 @@ and returns that tensor.  ``reduce`` keeps the input value on ranks other
 than the destination (eager leaves it unspecified).  ``_all_gather_base``'s
 backward is the reduce-scatter eager runs on NCCL (eager gloo raises there).
 A double backward is not supported (the backwards call functional ops directly).
+What a rank returns without using the collective's result (zeros off the
+root) still depends on it, see :func:`_after`.
 """
 
 from __future__ import annotations
@@ -46,6 +48,16 @@ def _all_reduce(t, op, name):
 
 def _a2a(t, out_splits, in_splits, name):
     return wait_tensor(_C.all_to_all_single(t.contiguous(), out_splits, in_splits, name))
+
+
+def _after(t, result):
+    """``t``, data-dependent on ``result`` (one byte of it) so training graphs keep its collective.
+
+    NOTE [keep-alive] in ``c10d_work``: inside an ``autograd.Function`` no global
+    token can be written, so the value a rank returns carries the dependency
+    (``& 0`` keeps it exact, whatever the byte).
+    """
+    return t + (result.reshape(-1)[:1].view(torch.uint8).sum() & 0)
 
 
 def _to_root(n, root, world, is_root):
@@ -111,7 +123,7 @@ class _Broadcast(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         total = _all_reduce(grad, "sum", ctx.name)
-        return (total if ctx.is_root else torch.zeros_like(total)), None, None, None
+        return (total if ctx.is_root else _after(torch.zeros_like(total), total)), None, None, None
 
 
 class _Reduce(torch.autograd.Function):
@@ -119,7 +131,7 @@ class _Reduce(torch.autograd.Function):
     def forward(ctx, tensor, op, root, is_root, name):
         ctx.root, ctx.name = root, name
         total = _all_reduce(tensor, op, name)
-        return total if is_root else tensor.clone()
+        return total if is_root else _after(tensor.clone(), total)
 
     @staticmethod
     def backward(ctx, grad):
@@ -134,7 +146,7 @@ class _Gather(torch.autograd.Function):
         ctx.root, ctx.me, ctx.world, ctx.name = root, me, world, name
         out_splits, in_splits = _to_root(flat.numel(), root, world, me == root)
         out = _a2a(flat, out_splits, in_splits, name)
-        return out if me == root else flat.new_zeros(world * flat.numel())
+        return out if me == root else _after(flat.new_zeros(world * flat.numel()), out)
 
     @staticmethod
     def backward(ctx, grad):
@@ -159,7 +171,7 @@ class _Scatter(torch.autograd.Function):
         n, is_root = ctx.n, ctx.me == ctx.root
         out_splits, in_splits = _to_root(n, ctx.root, ctx.world, is_root)
         out = _a2a(grad[ctx.start : ctx.start + n], out_splits, in_splits, ctx.name)
-        return (out if is_root else grad.new_zeros(ctx.world * n)), None, None, None, None
+        return (out if is_root else _after(grad.new_zeros(ctx.world * n), out)), None, None, None, None
 
 
 # ---- the polyfills: torch.distributed.nn.functional's signatures --------------

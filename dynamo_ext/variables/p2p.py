@@ -6,6 +6,10 @@ call is a ``P2P_UNAVAILABLE`` graph break).  Stock Dynamo gates its own P2P
 remaps behind ``torch._dynamo.config.enable_p2p_compilation``; these do not
 need it.
 
+Both sides keep their results alive (NOTE [keep-alive] in ``c10d_work``):
+a send's result feeds nothing, and a receive the user ignores must still
+happen for the sender to finish.
+
 The functional ops take the peer as a *group* rank (stock's remap passes the
 global rank, which is wrong in a subgroup), so the peer is translated at
 trace time.  Every op returns a :class:`~.c10d_work.FunctionalWork`: waiting
@@ -41,7 +45,7 @@ def isend(tensor, dst=None, group=None, tag=0, group_dst=None):
     if not_in_group(group):
         return None
     name, _, _ = group_info(group)
-    return FunctionalWork([_C.isend(tensor, peer, tag, name)], [[]])
+    return FunctionalWork([_C.isend(tensor, peer, tag, name)], [[]], keep=True)
 
 
 def irecv(tensor, src=None, group=None, tag=0, group_src=None):
@@ -52,7 +56,7 @@ def irecv(tensor, src=None, group=None, tag=0, group_src=None):
     peer = group_peer(group, src, group_src, "dist.irecv")
     name, _, _ = group_info(group)
     out = _C.irecv(tensor, peer, tag, name)
-    return FunctionalWork([out], [[tensor]], source=global_rank(group, peer))
+    return FunctionalWork([out], [[tensor]], source=global_rank(group, peer), keep=True)
 
 
 def send(tensor, dst=None, group=None, tag=0, group_dst=None):
@@ -119,9 +123,9 @@ def batch_isend_irecv(p2p_op_list):
     works = []
     for kind, p, out in zip(kinds, p2p_op_list, outs):
         if kind == "isend":
-            works.append(FunctionalWork([out], [[]]))
+            works.append(FunctionalWork([out], [[]], keep=True))
         else:
-            works.append(FunctionalWork([out], [[p.tensor]], source=p.peer))
+            works.append(FunctionalWork([out], [[p.tensor]], source=p.peer, keep=True))
     return works
 
 
