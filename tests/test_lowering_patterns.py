@@ -229,6 +229,31 @@ def test_one_shot_lowering_is_a_collective_over_a_comm_buffer(world):
     assert sum(c[0] == "_WaitKernel" for c in captured) == 2  # normalized output and residual sum; rstd unused
 
 
+def test_one_shot_collective_kernel_codegen_and_numerics_without_comm_buffer(world, monkeypatch):
+    """The same ``_CollectiveKernel`` lowering with ordinary buffers, so the CPU wrapper can emit and run it.
+
+    Checks what the comm-buffer test cannot reach: the wrapper call with its dtype /
+    None / group arguments, the per-output waits, and the numbers (the op's CPU
+    implementation is a functional all-reduce plus the reference epilogue).
+    """
+    test_mode = _compat.symm_mem_test_mode()
+    if test_mode is None:
+        pytest.skip("this torch has no symmetric-memory test mode")
+    options.one_shot_device_types = ("cpu",)
+    monkeypatch.setattr(rms_norm_fusion, "_into_comm_buffer", lambda x, group_name: x)
+    args = _args(torch.bfloat16, rows=8, hidden=64)
+    with test_mode():
+        out, code = _compile(block_manual, *args)
+    call = code[code.index("def call") :]
+    FileCheck().check("extern_kernels.mm").check(
+        "torch.ops.dynamo_ext.one_shot_all_reduce_residual_rms_norm.default("
+    ).check("torch.float32").check("torch.bfloat16").check_count("wait_tensor.default(", 2, exactly=True).check_not(
+        "all_reduce_.default("
+    ).run(call)
+    for o, e in zip(out, block_manual(*args)):
+        torch.testing.assert_close(o, e, rtol=0, atol=0)
+
+
 def _post_grad_graph_or_error(fn, *args) -> str:
     seen: list[str] = []
     cfg = _compat.inductor_config()
