@@ -102,7 +102,9 @@ def main(argv=None) -> int:
             rows.append((name, best))
         dist.barrier()
 
-    print(f"\n{'case':38s} {'trace stock ms':>14s} {'plugin':>8s} {'ratio':>6s}   {'call stock us':>13s} {'plugin':>8s} {'ratio':>6s}")
+    print(
+        f"\n{'case':38s} {'trace stock ms':>14s} {'plugin':>8s} {'ratio':>6s}   {'call stock us':>13s} {'plugin':>8s} {'ratio':>6s}"
+    )
     tr_ratios, call_ratios = [], []
     for name, b in rows:
         tr, cr = b["plugin"][0] / b["stock"][0], b["plugin"][1] / b["stock"][1]
@@ -113,8 +115,10 @@ def main(argv=None) -> int:
             f"{b['stock'][1] * 1e6:13.1f} {b['plugin'][1] * 1e6:8.1f} {cr:6.2f}"
         )
     gm = lambda xs: math.exp(sum(map(math.log, xs)) / len(xs))  # noqa: E731
-    print(f"\ngeomean over {len(rows)} cases: trace time plugin/stock = {gm(tr_ratios):.3f}, "
-          f"per-call time plugin/stock = {gm(call_ratios):.3f}  (target <= 1.10)")
+    print(
+        f"\ngeomean over {len(rows)} cases: trace time plugin/stock = {gm(tr_ratios):.3f}, "
+        f"per-call time plugin/stock = {gm(call_ratios):.3f}  (target <= 1.10)"
+    )
     print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s)")
     return 0
 
