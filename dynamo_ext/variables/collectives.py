@@ -9,7 +9,8 @@ written with ``torch.ops._c10d_functional`` ops:
 - ``c10d_rooted``: broadcast, reduce, scatter, gather, barrier;
 - ``p2p``: isend, irecv, send, recv, batch_isend_irecv;
 - ``nn_functional``: ``torch.distributed.nn.functional`` with eager's autograd;
-- ``c10d_breaks``: a named graph break for every call that cannot be traced.
+- ``c10d_breaks``: a named graph break for every call that cannot be traced;
+- ``c10d_reduce_op``: ``ReduceOp`` members as constants.
 
 ``async_op=True`` returns a :class:`~.c10d_work.FunctionalWork` (NOTE [async
 collectives in graphs]).  Before inlining a polyfill, a check on the call's
@@ -26,7 +27,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .. import _compat, graph_breaks
-from . import c10d_args, c10d_breaks, c10d_collectives, c10d_rooted, nn_functional, p2p
+from . import c10d_args, c10d_breaks, c10d_collectives, c10d_reduce_op, c10d_rooted, nn_functional, p2p
 from .base import const_args
 from .c10d_args import REDUCE_OPS, reduce_op_name
 from .functions import register_graph_break, register_polyfill
@@ -122,6 +123,7 @@ def register() -> None:
     """Register every c10d polyfill, graph break and trace-time helper."""
     c10d_args.register()
     c10d_breaks.register()
+    c10d_reduce_op.register()
     seen: set[int] = set()
     for name, impl, ops in POLYFILLS:
         fn = _compat.optional_attr("torch.distributed", name)
