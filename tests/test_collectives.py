@@ -22,6 +22,17 @@ from torch.testing import FileCheck
 
 WORLD = 4
 ME = 0  # the fake world's rank
+P2P = {"isend_irecv", "batch_isend_irecv", "send_recv", "isend", "irecv", "send", "recv_ignored"}
+
+
+def params(table: dict) -> list:
+    """The names of ``table`` as pytest params; P2P ones skip on builds without functional P2P ops."""
+    from dynamo_ext import _compat
+
+    no_p2p = pytest.mark.skipif(
+        not _compat.has_functional_op("isend"), reason="no functional P2P ops in this torch build (P2P graph-breaks)"
+    )
+    return [pytest.param(name, marks=no_p2p) if name in P2P else name for name in table]
 
 
 def compile_one(fn, *args, dynamic=None):
@@ -139,7 +150,7 @@ TRACES = {
 }
 
 
-@pytest.mark.parametrize("name", list(TRACES))
+@pytest.mark.parametrize("name", params(TRACES))
 def test_call_traces_to_functional_collectives(world, name):
     fn, ops = TRACES[name]
     _, gm = compile_one(fn, torch.arange(8.0))
@@ -240,7 +251,7 @@ ASYNC = {
 }
 
 
-@pytest.mark.parametrize("name", list(ASYNC))
+@pytest.mark.parametrize("name", params(ASYNC))
 def test_compute_between_call_and_wait_sits_between_collective_and_wait(world, name):
     start, op = ASYNC[name]
 
@@ -324,7 +335,7 @@ def training_graphs(fn, x):
     return graphs
 
 
-@pytest.mark.parametrize("name", list(NN_BACKWARD))
+@pytest.mark.parametrize("name", params(NN_BACKWARD))
 def test_nn_functional_backward_is_a_collective(world, name):
     fn, backward_ops = NN_BACKWARD[name]
     x = torch.arange(8.0, requires_grad=True)
@@ -348,7 +359,7 @@ UNUSED_HERE = {
 }
 
 
-@pytest.mark.parametrize("name", list(UNUSED_HERE))
+@pytest.mark.parametrize("name", params(UNUSED_HERE))
 def test_collective_unused_on_this_rank_survives_partitioning(world, name):
     fn, op, graph = UNUSED_HERE[name]
     graphs = training_graphs(fn, torch.arange(8.0, requires_grad=True))
@@ -366,7 +377,10 @@ def test_polyfills_take_the_arguments_of_the_calls_they_replace():
             if fn is None:
                 continue
             expected = list(inspect.signature(fn).parameters)
-            assert list(inspect.signature(impl).parameters) == expected, f"{module}.{name}"
+            got = inspect.signature(impl).parameters
+            # The same parameters in the same order; extra ones (from newer releases) have defaults.
+            assert [p for p in got if p in expected] == expected, f"{module}.{name}"
+            assert all(got[p].default is not inspect.Parameter.empty for p in got if p not in expected)
 
 
 # ---- graph breaks -----------------------------------------------------------------
@@ -415,10 +429,12 @@ BREAKS = {
 PREMUL = None
 
 
-@pytest.mark.parametrize("name", list(BREAKS))
+@pytest.mark.parametrize("name", params(BREAKS))
 def test_untraceable_call_is_a_graph_break_that_names_it(world, name):
     global PREMUL
     PREMUL = dist._make_nccl_premul_sum(2.0)
+    if name == "barrier_timeout" and "timeout" not in inspect.signature(dist.barrier).parameters:
+        pytest.skip("dist.barrier has no timeout on this release")
     fn, message = BREAKS[name]
     with pytest.raises(Unsupported, match=message):
         torch.compile(fn, backend="eager", fullgraph=True)(torch.ones(8))
@@ -486,14 +502,19 @@ BAD = {
 }
 
 
-@pytest.mark.parametrize("name", list(BAD))
+@pytest.mark.parametrize("name", params(BAD))
 def test_bad_input_raises_what_eager_raises(world, name):
     fn, exc, message = BAD[name]
-    with pytest.raises(exc, match=message) as eager:
+    try:
         fn(torch.ones(8))
+    except exc as e:
+        eager = e
+    else:
+        pytest.skip("this release's fake process group accepts it (a real backend raises)")
+    assert message in str(eager)
     with pytest.raises(exc) as compiled:
         torch.compile(fn, backend="eager")(torch.ones(8))
-    assert str(compiled.value) == str(eager.value)
+    assert str(compiled.value) == str(eager)
     torch._dynamo.reset()
     with pytest.raises(Unsupported, match=message):  # fullgraph: Dynamo's report names the error
         torch.compile(fn, backend="eager", fullgraph=True)(torch.ones(8))
@@ -503,6 +524,6 @@ def test_wrong_output_size_raises_runtime_error_at_trace_time(world):
     def fn(x):
         dist.all_gather_into_tensor(x.new_empty(7), x)
 
-    message = r"RuntimeError\('dist.all_gather_into_tensor: output_tensor has 7 elements, expected 32'\)"
+    message = r"RuntimeError(.|\n)*dist.all_gather_into_tensor: output_tensor has 7 elements, expected 32"
     with pytest.raises(Unsupported, match=message):
         torch.compile(fn, backend="eager", fullgraph=True)(torch.ones(8))

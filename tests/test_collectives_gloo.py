@@ -45,6 +45,11 @@ def _compare(fn, args, rank, backward=False):
     """``None`` when compiled matches eager on this rank, else what differed."""
     try:
         expected = _run(fn, args, rank, backward, compiled=False)
+    except RuntimeError as e:
+        if "does not support" in str(e):  # e.g. list all_to_all on gloo before 2.12: nothing to compare with
+            return f"skip: eager {e}"
+        raise
+    try:
         got = _run(fn, args, rank, backward, compiled=True)
     except Exception as e:  # noqa: BLE001  (reported per case)
         return f"{type(e).__name__}: {str(e)[:1500]}"
@@ -253,11 +258,18 @@ def _cases(rank: int, sub) -> dict:
     }
 
 
+P2P = ("isend_irecv", "batch_isend_irecv", "send_recv", "p2p_subgroup", "send_in_training_graph")
+
+
 def _all_cases(rank: int, world: int) -> dict:
+    from dynamo_ext import _compat
+
     assert world == WORLD
     sub = dist.new_group([2, 3])  # every rank creates it; ranks 0 and 1 get NON_GROUP_MEMBER
     results = {}
     for name, (fn, args, backward, ranks) in _cases(rank, sub).items():
+        if name in P2P and not _compat.has_functional_op("isend"):
+            continue  # P2P graph-breaks on this build (tests/test_collectives.py checks the message)
         diff = _compare(fn, args, rank, backward)
         results[name] = diff if ranks is None or rank in ranks or diff and "Error" in diff else None
     results.update(_work_and_errors(rank))
@@ -301,7 +313,7 @@ def results():
 
 def test_every_case_ran(results):
     names = set(results[0])
-    assert {"all_reduce_async", "broadcast", "barrier", "batch_isend_irecv", "nn.scatter"} <= names
+    assert {"all_reduce_async", "broadcast", "barrier", "nn.scatter", "bad_output_size_raises_like_eager"} <= names
     assert all(set(r) == names for r in results)
 
 
@@ -350,5 +362,9 @@ def test_every_case_ran(results):
     ],
 )
 def test_compiled_matches_eager(results, name):
+    if name not in results[0]:
+        pytest.skip("no functional P2P ops in this torch build")
+    if all(str(r[name]).startswith("skip: ") for r in results):
+        pytest.skip(results[0][name])
     failures = {rank: r[name] for rank, r in enumerate(results) if r[name] is not None}
     assert not failures, failures
