@@ -18,7 +18,7 @@ from torch._inductor.utils import run_and_get_code
 from torch.testing import FileCheck
 
 import dynamo_ext
-from dynamo_ext.inductor_lowerings import _compat, rms_norm_fusion
+from dynamo_ext.inductor_lowerings import _compat, rms_norm_fusion, rms_norm_lowering
 from dynamo_ext.inductor_lowerings.options import options
 
 
@@ -240,7 +240,7 @@ def test_one_shot_collective_kernel_codegen_and_numerics_without_comm_buffer(wor
     if test_mode is None:
         pytest.skip("this torch has no symmetric-memory test mode")
     options.one_shot_device_types = ("cpu",)
-    monkeypatch.setattr(rms_norm_fusion, "_into_comm_buffer", lambda x, group_name: x)
+    monkeypatch.setattr(rms_norm_lowering, "_into_comm_buffer", lambda x, group_name: x)
     args = _args(torch.bfloat16, rows=8, hidden=64)
     with test_mode():
         out, code = _compile(block_manual, *args)

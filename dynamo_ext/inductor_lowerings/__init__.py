@@ -27,9 +27,9 @@ def install(patches: Patcher) -> None:
     """
     if not _compat.has_functional_collectives():
         return
-    from . import bucketing, ops, rms_norm_fusion
+    from . import bucketing, ops, rms_norm_fusion, rms_norm_lowering
     from .registry import append_post_grad_passes, install_lowerings
 
     ops.define_ops(patches)
-    install_lowerings(patches, rms_norm_fusion.rules())
+    install_lowerings(patches, rms_norm_lowering.rules())
     append_post_grad_passes(patches, [rms_norm_fusion.ResidualRMSNormPass(), bucketing.AllReduceBucketingPass()])

@@ -40,7 +40,6 @@ import torch.fx
 
 from . import _compat, ops
 from .options import options
-from .registry import LoweringRule
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -55,7 +54,6 @@ class ResidualRMSNormMatch:
     all_reduce: torch.fx.Node
     wait: torch.fx.Node
     add: torch.fx.Node
-    reduced: torch.fx.Node
     residual: torch.fx.Node
     weight: torch.fx.Node | None
     eps: float
@@ -121,12 +119,13 @@ def _scalar_add_operand(node: Any, x: torch.fx.Node) -> float | None:
     return float(eps) if isinstance(eps, (int, float)) and not isinstance(eps, bool) else None
 
 
-def _is_weight_for(node: Any, hidden: int) -> bool:
+def _is_weight_for(node: Any, hidden: int, ndim: int) -> bool:
+    """A per-feature weight: ``hidden`` elements along the last dim, broadcasting adds no dims."""
     val = _val(node)
     return (
         isinstance(val, torch.Tensor)
         and val.dtype.is_floating_point
-        and val.ndim >= 1
+        and 1 <= val.ndim <= ndim
         and val.shape[-1] == hidden
         and val.numel() == hidden
     )
@@ -137,7 +136,7 @@ def _static_shape(val: Any) -> bool:
 
 
 def _match_tail(
-    norm: torch.fx.Node, hidden: int
+    norm: torch.fx.Node, hidden: int, ndim: int
 ) -> tuple[torch.fx.Node, torch.fx.Node | None, torch.dtype | None, torch.dtype | None, list[torch.fx.Node]]:
     """Walk ``[convert] -> [mul weight] -> [convert]`` from the normalized node while single-user."""
     out, weight, mid, last_cast, nodes = norm, None, None, None, []
@@ -146,7 +145,7 @@ def _match_tail(
         mid, out = user.args[1], user
         nodes.append(user)
         user = _sole_user(out)
-    if _is(user, aten.mul.Tensor) and _is_weight_for(_other(user, out), hidden):
+    if _is(user, aten.mul.Tensor) and _is_weight_for(_other(user, out), hidden, ndim):
         weight, out = _other(user, out), user
         nodes.append(user)
         user = _sole_user(out)
@@ -176,7 +175,7 @@ def _match_decomposed(base: dict[str, Any], add: torch.fx.Node, hidden: int, ndi
             for norm in rsqrt.users:
                 if not (_is(norm, aten.mul.Tensor) and _other(norm, rsqrt) in same):
                     continue
-                output, weight, mid, last_cast, tail = _match_tail(norm, hidden)
+                output, weight, mid, last_cast, tail = _match_tail(norm, hidden, ndim)
                 chain = [*(u for u in same if u is not add), square, mean, eps_node, rsqrt, norm, *tail]
                 return ResidualRMSNormMatch(
                     **base,
@@ -192,7 +191,7 @@ def _match_decomposed(base: dict[str, Any], add: torch.fx.Node, hidden: int, ndi
     return None
 
 
-def _match_fused_op(base: dict[str, Any], add: torch.fx.Node, hidden: int) -> ResidualRMSNormMatch | None:
+def _match_fused_op(base: dict[str, Any], add: torch.fx.Node, hidden: int, ndim: int) -> ResidualRMSNormMatch | None:
     fused_op = getattr(aten, "_fused_rms_norm", None)
     if fused_op is None:
         return None
@@ -200,7 +199,7 @@ def _match_fused_op(base: dict[str, Any], add: torch.fx.Node, hidden: int) -> Re
         if not _is(node, fused_op.default) or node.args[0] is not add or list(node.args[1]) != [hidden]:
             continue
         weight = node.args[2] if len(node.args) > 2 else None
-        if weight is not None and not _is_weight_for(weight, hidden):
+        if weight is not None and not _is_weight_for(weight, hidden, ndim):
             continue
         getitems = {u.args[1]: u for u in node.users if _is(u, operator.getitem)}
         if 0 not in getitems or len(getitems) != len(node.users):
@@ -240,8 +239,8 @@ def match_residual_rms_norm(all_reduce: torch.fx.Node) -> ResidualRMSNormMatch |
         rval = _val(residual)
         if not isinstance(rval, torch.Tensor) or rval.shape != reduced_val.shape or rval.dtype != reduced_val.dtype:
             continue
-        base = {"all_reduce": all_reduce, "wait": wait, "add": add, "reduced": wait, "residual": residual}
-        found = _match_decomposed(base, add, hidden, ndim) or _match_fused_op(base, add, hidden)
+        base = {"all_reduce": all_reduce, "wait": wait, "add": add, "residual": residual}
+        found = _match_decomposed(base, add, hidden, ndim) or _match_fused_op(base, add, hidden, ndim)
         if found is not None:
             return found
     return None
@@ -263,7 +262,7 @@ def _one_shot_dtypes_supported(match: ResidualRMSNormMatch) -> bool:
     weight = _val(match.weight)
     try:
         output_dtypes(
-            _val(match.reduced).dtype,
+            _val(match.wait).dtype,
             None if weight is None else weight.dtype,
             upcast=match.upcast,
             mid_dtype=match.mid_dtype,
@@ -331,7 +330,7 @@ def rewrite(graph: torch.fx.Graph, match: ResidualRMSNormMatch, *, one_shot: boo
             fused = _call(graph, ops.one_shot_op(), (match.all_reduce.args[0], *args, match.group_name), match.add)
             items = [_call(graph, c10d.wait_tensor.default, (g,), match.add) for g in _getitems(graph, fused, 3)]
         else:
-            fused = _call(graph, ops.residual_rms_norm_op(), (match.reduced, *args), match.add)
+            fused = _call(graph, ops.residual_rms_norm_op(), (match.wait, *args), match.add)
             items = _getitems(graph, fused, 3)
     summed, normed, rstd = items
     match.output.replace_all_uses_with(normed)
@@ -382,174 +381,3 @@ class ResidualRMSNormPass(_compat.custom_graph_pass_base()):  # type: ignore[mis
         return _compat.hash_for_files(
             (__file__, ops.__file__), extra=options.cache_key() + _compat.symm_mem_state_key()
         )
-
-
-# ---- lowerings --------------------------------------------------------------------------------
-def _lower(op: Any, *args: Any) -> Any:
-    return _compat.lowering_table()[op](*args)
-
-
-def _epilogue(
-    summed: Any,
-    weight: Any,
-    eps: float,
-    upcast: torch.dtype | None,
-    mid_dtype: torch.dtype | None,
-    out_dtype: torch.dtype | None,
-) -> tuple[Any, Any]:
-    """Inductor IR for the norm part; ``summed()`` gives the residual sum each time it is called."""
-
-    def upcasted() -> Any:
-        s = summed()
-        return _lower(prims.convert_element_type.default, s, upcast) if upcast is not None else s
-
-    mean = _lower(aten.mean.dim, _lower(aten.pow.Tensor_Scalar, upcasted(), 2), [-1], True)
-    rstd = _lower(aten.rsqrt.default, _lower(aten.add.Scalar, mean, eps))
-    y = _lower(aten.mul.Tensor, upcasted(), rstd)
-    if mid_dtype is not None:
-        y = _lower(prims.convert_element_type.default, y, mid_dtype)
-    if weight is not None:
-        y = _lower(aten.mul.Tensor, y, weight)
-    if out_dtype is not None:
-        y = _lower(prims.convert_element_type.default, y, out_dtype)
-    return y, rstd
-
-
-def _realize_loops(x: Any) -> Any:
-    ir = _compat.ir_module()
-    if isinstance(x, ir.TensorBox) and isinstance(x.data, ir.StorageBox) and isinstance(x.data.data, ir.Loops):
-        x.realize()
-    return x
-
-
-def _rounded(x: Any) -> Any:
-    """``x`` rounded to its fp16/bf16 dtype even when fused into an fp32 consumer.
-
-    Stock stores the sum and re-reads it, so the norm sees the rounded value, as eager
-    does.  Recomputed in registers it would not be: the CPU backend keeps fp16/bf16
-    intermediates in fp32 and drops a down-and-up cast unless the upcast names its
-    source dtype (``legalize_lowp_fp_dtype_loopbody`` in codegen/cpp.py treats such a
-    cast as a low-precision sink), so we name it, and the downcast must not enter the
-    kernel's cast cache (``use_compute_types=False``, as Inductor's own
-    ``low_precision_pointwise_barrier`` emulation does), or the upcast is served the
-    unrounded value from it.
-    """
-    dtype = x.get_dtype()
-    if dtype not in (torch.float16, torch.bfloat16):
-        return x
-    ir, ops_ = _compat.ir_module(), _compat.ops_handler()
-    load = x.make_loader()
-
-    def inner_fn(index: Any) -> Any:
-        low = ops_.to_dtype(load(index), dtype, use_compute_types=False)  # no cast-cache entry
-        return ops_.to_dtype(low, torch.float32, src_dtype=dtype)
-
-    return ir.Pointwise.create(device=x.get_device(), dtype=dtype, inner_fn=inner_fn, ranges=x.get_size())
-
-
-def should_lower_residual_rms_norm_row_fused(
-    input: Any, residual: Any, weight: Any, eps: float, upcast: Any, mid_dtype: Any, out_dtype: Any
-) -> bool:
-    """Recompute the sum per row only where a row is static, modest, and the shapes agree."""
-    hidden = input.get_size()[-1]
-    return (
-        list(input.get_size()) == list(residual.get_size())
-        and getattr(hidden, "is_number", False)
-        and int(hidden) <= options.row_fused_max_hidden
-    )
-
-
-def lower_residual_rms_norm_row_fused(
-    input: Any, residual: Any, weight: Any, eps: float, upcast: Any, mid_dtype: Any, out_dtype: Any
-) -> tuple[Any, Any, Any]:
-    """Fast path: a fresh (unrealized) sum for the reduction, the normalization and the output."""
-    input, residual = _realize_loops(input), _realize_loops(residual)
-
-    def summed() -> Any:
-        return _rounded(_lower(aten.add.Tensor, input, residual))
-
-    y, rstd = _epilogue(summed, weight, eps, upcast, mid_dtype, out_dtype)
-    return summed(), y, rstd
-
-
-def lower_residual_rms_norm_stock(
-    input: Any, residual: Any, weight: Any, eps: float, upcast: Any, mid_dtype: Any, out_dtype: Any
-) -> tuple[Any, Any, Any]:
-    """Fallback: what stock Inductor builds, the sum realized once and re-read."""
-    s = _lower(aten.add.Tensor, input, residual)
-    s.realize()
-    y, rstd = _epilogue(lambda: s, weight, eps, upcast, mid_dtype, out_dtype)
-    return s, y, rstd
-
-
-RESIDUAL_RMS_NORM_RULE = LoweringRule(
-    name="residual_rms_norm",
-    op=None,  # filled in by rules() once the op is defined
-    predicate=should_lower_residual_rms_norm_row_fused,
-    fast_path=lower_residual_rms_norm_row_fused,
-    fallback=lower_residual_rms_norm_stock,
-)
-
-
-def should_lower_one_shot_collective(
-    input: Any, residual: Any, weight: Any, eps: float, upcast: Any, mid_dtype: Any, out_dtype: Any, group_name: str
-) -> bool:
-    """Lowering-time check (as stock's one-shot lowering does): symmetric memory, device, static shape."""
-    device = input.get_device()
-    return (
-        device is not None
-        and device.type in options.one_shot_device_types
-        and _compat.comm_buffer_api() is not None
-        and _compat.is_symm_mem_enabled_for_group(group_name)
-        and all(getattr(s, "is_number", False) for s in input.get_size())
-        and list(input.get_size()) == list(residual.get_size())
-    )
-
-
-def _into_comm_buffer(x: Any, group_name: str) -> Any:
-    can, realize, symm = _compat.comm_buffer_api()  # type: ignore[misc]
-    ir = _compat.ir_module()
-    if not can(x, symm):  # an input we do not allocate: copy it into one we do
-        x.realize()
-        x = ir.Pointwise.create(
-            device=x.get_device(), dtype=x.get_dtype(), inner_fn=x.make_loader(), ranges=x.get_size()
-        )
-    realize(x, symm, group_name)
-    return x
-
-
-def lower_one_shot_collective(
-    input: Any, residual: Any, weight: Any, eps: float, upcast: Any, mid_dtype: Any, out_dtype: Any, group_name: str
-) -> list[Any]:
-    """Fast path: one ``_CollectiveKernel`` whose input is a symmetric-memory comm buffer."""
-    ir = _compat.ir_module()
-    input = _into_comm_buffer(input, group_name)
-    residual = ir.ExternKernel.require_contiguous(residual)
-    if weight is not None:
-        weight = ir.ExternKernel.require_contiguous(weight)
-    outs = _compat.collective_kernel_cls().create_out_of_place(
-        ops.one_shot_op(), input, residual, weight, eps, upcast, mid_dtype, out_dtype, group_name
-    )
-    return [ir.TensorBox.create(o) for o in outs]
-
-
-def lower_one_shot_as_all_reduce(
-    input: Any, residual: Any, weight: Any, eps: float, upcast: Any, mid_dtype: Any, out_dtype: Any, group_name: str
-) -> list[Any]:
-    """Fallback: stock all-reduce + wait, then our epilogue lowering."""
-    reduced = _lower(c10d.wait_tensor.default, _lower(c10d.all_reduce.default, input, "sum", group_name))
-    return list(RESIDUAL_RMS_NORM_RULE(reduced, residual, weight, eps, upcast, mid_dtype, out_dtype))
-
-
-def rules() -> list[LoweringRule]:
-    """The lowering rules of fusion 1 (call after :func:`ops.define_ops`)."""
-    return [
-        dataclasses.replace(RESIDUAL_RMS_NORM_RULE, op=ops.residual_rms_norm_op()),
-        LoweringRule(
-            name="one_shot_all_reduce_residual_rms_norm",
-            op=ops.one_shot_op(),
-            predicate=should_lower_one_shot_collective,
-            fast_path=lower_one_shot_collective,
-            fallback=lower_one_shot_as_all_reduce,
-        ),
-    ]
