@@ -25,10 +25,11 @@ is not a ``torch.distributed.Work`` (``isinstance`` is ``False``), and
 ``get_future()`` is a graph break: a future cannot be recorded in a graph.
 
 NOTE [keep-alive]
-AOTAutograd's partitioner builds the forward and backward graphs of a
-training graph from their outputs, so a collective whose waited result
-feeds no output is dropped, although ``wait_tensor`` is side-effectful in
-FX.  Where only some ranks use the result (a send, a gather's leaves, a
+AOTAutograd's default partitioner (the ``aot_eager`` backend's) builds the
+forward and backward graphs of a training graph from their outputs, so a
+collective whose waited result feeds no output is dropped, although
+``wait_tensor`` is side-effectful in FX (Inductor's min-cut partitioner keeps
+it).  Where only some ranks use the result (a send, a gather's leaves, a
 reduce's non-destination ranks, a broadcast's root, a barrier) the others
 would then wait forever.  Such works therefore "use" their result: a
 one-byte token per device (a global tensor, so a graph input) is
