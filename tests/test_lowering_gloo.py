@@ -13,7 +13,7 @@ import pytest
 import torch
 from helpers import run_on_ranks
 
-pytestmark = pytest.mark.gloo
+pytestmark = [pytest.mark.gloo, pytest.mark.slow]  # one 4-process launch each, 30-40 s
 
 HIDDEN, FFN, TOKENS = 64, 128, 24
 
