@@ -131,10 +131,14 @@ def _check_state(tx: Any, args: list[Any], kwargs: dict[str, Any]) -> None:
     for group in param_groups(state):
         for p in group.fsdp_params:
             spmd = getattr(p.mesh_info, "is_spmd_mesh", False)
-            if p.fsdp_placement.dim != 0 or spmd:
+            # torch 2.11 (one optional param group per state): FSDP over TP
+            # fails in Dynamo's guards on TP's hook closures; break cleanly there.
+            old_tp = p.is_dtensor and not hasattr(state, "_fsdp_param_groups")
+            if p.fsdp_placement.dim != 0 or spmd or old_tp:
                 graph_breaks.graph_break(
                     graph_breaks.FSDP_LAYOUT,
-                    f"fully_shard parameter {p._module_info.param_name!r} with {p.fsdp_placement} (SPMD mesh: {spmd})",
+                    f"fully_shard parameter {p._module_info.param_name!r} with {p.fsdp_placement} "
+                    f"(SPMD mesh: {spmd}, FSDP over TP on torch 2.11: {old_tp})",
                 )
 
 
