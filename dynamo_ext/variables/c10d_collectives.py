@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from .c10d_args import group_info, not_in_group, reduce_op_name
 from .c10d_breaks import unsupported
-from .c10d_work import FunctionalWork, finish
+from .c10d_work import FunctionalWork, finish, plain
 
 ReduceOp = dist.ReduceOp
 _C = torch.ops._c10d_functional
@@ -55,7 +55,7 @@ def all_reduce(tensor, op=ReduceOp.SUM, group=None, async_op=False):
     if not_in_group(group):
         return None
     name, _, _ = group_info(group)
-    out = _C.all_reduce(tensor, reduce_op_name(op), name)
+    out = _C.all_reduce(plain(tensor), reduce_op_name(op), name)
     return finish(FunctionalWork([out], [[tensor]]), async_op)
 
 
@@ -67,7 +67,7 @@ def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op=Fal
     _check_numel(call, "output_tensor", output_tensor.numel(), world * input_tensor.numel())
     _check_dtype(call, [output_tensor], input_tensor.dtype)
     inp = input_tensor if input_tensor.dim() > 0 else input_tensor.reshape(1)
-    out = _C.all_gather_into_tensor(inp, world, name)
+    out = _C.all_gather_into_tensor(plain(inp), world, name)
     return finish(FunctionalWork([out], [[output_tensor]]), async_op)
 
 
@@ -78,7 +78,7 @@ def reduce_scatter_tensor(output, input, op=ReduceOp.SUM, group=None, async_op=F
     call = "dist.reduce_scatter_tensor"
     _check_numel(call, "input", input.numel(), world * output.numel())
     _check_dtype(call, [output], input.dtype)
-    out = _C.reduce_scatter_tensor(_leading(input, world), reduce_op_name(op), world, name)
+    out = _C.reduce_scatter_tensor(plain(_leading(input, world)), reduce_op_name(op), world, name)
     return finish(FunctionalWork([out], [[output]]), async_op)
 
 
@@ -109,7 +109,7 @@ def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=
     for size in input.shape[1:]:
         row *= size
     _check_numel(call, "output", output.numel(), sum(out_splits) * row)
-    out = _C.all_to_all_single(input, out_splits, in_splits, name)
+    out = _C.all_to_all_single(plain(input), out_splits, in_splits, name)
     return finish(FunctionalWork([out], [[output]]), async_op)
 
 
@@ -122,7 +122,7 @@ def all_gather(tensor_list, tensor, group=None, async_op=False):
         raise RuntimeError(f"{call}: tensor_list has {len(tensor_list)} tensors, expected one per rank ({world})")
     _check_dtype(call, tensor_list, tensor.dtype)
     _even(call, tensor_list, tensor.numel())
-    out = _C.all_gather_into_tensor(tensor.unsqueeze(0), world, name)
+    out = _C.all_gather_into_tensor(plain(tensor.unsqueeze(0)), world, name)
     return finish(FunctionalWork([out], [list(tensor_list)]), async_op)
 
 
@@ -136,7 +136,7 @@ def reduce_scatter(output, input_list, op=ReduceOp.SUM, group=None, async_op=Fal
     _check_dtype(call, input_list, output.dtype)
     _even(call, input_list, output.numel())
     inp = torch.stack([t.reshape(-1) for t in input_list])
-    out = _C.reduce_scatter_tensor(inp, reduce_op_name(op), world, name)
+    out = _C.reduce_scatter_tensor(plain(inp), reduce_op_name(op), world, name)
     return finish(FunctionalWork([out], [[output]]), async_op)
 
 
@@ -155,7 +155,7 @@ def all_to_all(output_tensor_list, input_tensor_list, group=None, async_op=False
     inp = torch.cat([t.reshape(-1) for t in input_tensor_list])
     out_splits = [t.numel() for t in output_tensor_list]
     in_splits = [t.numel() for t in input_tensor_list]
-    out = _C.all_to_all_single(inp, out_splits, in_splits, name)
+    out = _C.all_to_all_single(plain(inp), out_splits, in_splits, name)
     return finish(FunctionalWork([out], [list(output_tensor_list)]), async_op)
 
 
@@ -166,5 +166,5 @@ def all_reduce_coalesced(tensors, op=ReduceOp.SUM, group=None, async_op=False):
         return None
     name, _, _ = group_info(group)
     _check_dtype("dist.all_reduce_coalesced", tensors, tensors[0].dtype)
-    outs = _C.all_reduce_coalesced(list(tensors), reduce_op_name(op), name)
+    outs = _C.all_reduce_coalesced([plain(t) for t in tensors], reduce_op_name(op), name)
     return finish(FunctionalWork(list(outs), [[t] for t in tensors]), False)

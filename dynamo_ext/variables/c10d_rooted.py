@@ -39,7 +39,7 @@ import torch.distributed as dist
 
 from .c10d_args import barrier_device, group_info, group_peer, not_in_group, reduce_op_name
 from .c10d_breaks import unsupported
-from .c10d_work import FunctionalWork, finish
+from .c10d_work import FunctionalWork, finish, plain
 
 ReduceOp = dist.ReduceOp
 _C = torch.ops._c10d_functional
@@ -50,7 +50,7 @@ def broadcast(tensor, src=None, group=None, async_op=False, group_src=None):
     if not_in_group(group):
         return None
     name, _, me = group_info(group)
-    out = _C.broadcast(tensor, root, name)
+    out = _C.broadcast(plain(tensor), root, name)
     # The root's tensor already holds the value; only the others copy.
     return finish(FunctionalWork([out], [[] if me == root else [tensor]], keep=True), async_op)
 
@@ -60,7 +60,7 @@ def reduce(tensor, dst=None, op=ReduceOp.SUM, group=None, async_op=False, group_
     if not_in_group(group):
         return None
     name, _, me = group_info(group)
-    out = _C.all_reduce(tensor, reduce_op_name(op), name)
+    out = _C.all_reduce(plain(tensor), reduce_op_name(op), name)
     return finish(FunctionalWork([out], [[tensor] if me == root else []], keep=True), async_op)
 
 
@@ -109,7 +109,7 @@ def scatter(tensor, scatter_list=None, src=None, group=None, async_op=False, gro
             raise ValueError("Argument ``scatter_list`` must NOT be specified on non-source ranks.")
         inp = tensor.reshape(-1)
     out_splits, in_splits, start = scatter_splits(n, root, me, world)
-    out = _C.all_to_all_single(inp, out_splits, in_splits, name)
+    out = _C.all_to_all_single(plain(inp), out_splits, in_splits, name)
     return finish(FunctionalWork([out], [[tensor]], start=start, keep=True), async_op)
 
 
@@ -144,7 +144,7 @@ def gather(tensor, gather_list=None, dst=None, group=None, async_op=False, group
     else:
         out_splits = [0] * world
     in_splits = [n if r == root else 0 for r in range(world)]
-    out = _C.all_to_all_single(tensor.reshape(-1), out_splits, in_splits, name)
+    out = _C.all_to_all_single(plain(tensor.reshape(-1)), out_splits, in_splits, name)
     return finish(FunctionalWork([out], [gather_list], keep=True), async_op)
 
 

@@ -53,6 +53,26 @@ def wait_tensor(tensor: torch.Tensor) -> torch.Tensor:
     return torch.ops._c10d_functional.wait_tensor(tensor)
 
 
+def plain(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a collective's input: detached when it requires grad.
+
+    Eager c10d collectives are invisible to autograd (the tensor keeps its
+    ``grad_fn``; no gradient flows through the communication), while some
+    releases register a backward for the functional ops: detaching, and
+    writing results back under ``no_grad`` (:func:`copy_into`), keeps eager's
+    gradients.  ``torch.distributed.nn.functional`` is the differentiable API.
+    """
+    return t.detach() if t.requires_grad else t
+
+
+def _write(out: torch.Tensor, value: torch.Tensor) -> None:
+    if out.requires_grad:
+        with torch.no_grad():
+            out.copy_(value)
+    else:
+        out.copy_(value)
+
+
 def keep_alive(result: torch.Tensor) -> None:
     """Make a graph output depend on ``result`` at the cost of a one-byte read (NOTE [keep-alive])."""
     token = getattr(KeepAliveTokens, keep_alive_token(result.device))
@@ -69,18 +89,18 @@ def copy_into(result: torch.Tensor, outputs: list[torch.Tensor], start: int = 0)
     """
     if start == 0 and len(outputs) == 1 and outputs[0].numel() == result.numel():
         out = outputs[0]
-        out.copy_(result if result.shape == out.shape else result.view(out.shape))
+        _write(out, result if result.shape == out.shape else result.view(out.shape))
         return
     rows = result.dim() > 0 and result.shape[0] == len(outputs)
     if start == 0 and rows and all(o.shape == result.shape[1:] for o in outputs):
         for i, out in enumerate(outputs):
-            out.copy_(result[i])
+            _write(out, result[i])
         return
     flat = result.reshape(-1)
     offset = start
     for out in outputs:
         n = out.numel()
-        out.copy_(flat[offset : offset + n].view(out.shape))
+        _write(out, flat[offset : offset + n].view(out.shape))
         offset += n
 
 

@@ -29,7 +29,7 @@ import torch.distributed as dist
 from . import c10d_args
 from .c10d_args import global_rank, group_info, group_or_default, group_peer, not_in_group
 from .c10d_breaks import untraceable
-from .c10d_work import FunctionalWork
+from .c10d_work import FunctionalWork, plain
 
 _C = torch.ops._c10d_functional
 
@@ -45,7 +45,7 @@ def isend(tensor, dst=None, group=None, tag=0, group_dst=None):
     if not_in_group(group):
         return None
     name, _, _ = group_info(group)
-    return FunctionalWork([_C.isend(tensor, peer, tag, name)], [[]], keep=True)
+    return FunctionalWork([_C.isend(plain(tensor), peer, tag, name)], [[]], keep=True)
 
 
 def irecv(tensor, src=None, group=None, tag=0, group_src=None):
@@ -55,7 +55,7 @@ def irecv(tensor, src=None, group=None, tag=0, group_src=None):
         untraceable("dist.irecv", "a receive from any source (src=None) has no functional op; pass src")
     peer = group_peer(group, src, group_src, "dist.irecv")
     name, _, _ = group_info(group)
-    out = _C.irecv(tensor, peer, tag, name)
+    out = _C.irecv(plain(tensor), peer, tag, name)
     return FunctionalWork([out], [[tensor]], source=global_rank(group, peer), keep=True)
 
 
@@ -117,7 +117,7 @@ def batch_isend_irecv(p2p_op_list):
         kinds,
         [p.group_peer for p in p2p_op_list],
         [p.tag for p in p2p_op_list],
-        [p.tensor for p in p2p_op_list],
+        [plain(p.tensor) for p in p2p_op_list],
         name,
     )
     works = []
