@@ -212,8 +212,16 @@ def _cases(rank: int, sub) -> dict:
             return t * y
         return t * 2
 
+    def invisible_to_autograd(t):
+        # Eager c10d collectives keep the tensor's grad_fn: no gradient flows through them.
+        y, z = t * 2, t * 3
+        dist.all_reduce(y)
+        dist.broadcast(z, src=1)
+        return y, z
+
     return {
         "all_reduce": (lambda t: all_reduce_op(dist.ReduceOp.SUM)(t * 2) + 1, [x], False, None),
+        "c10d_invisible_to_autograd": (invisible_to_autograd, [xg], True, None),
         "all_reduce_max": (all_reduce_op(dist.ReduceOp.MAX), [x], False, None),
         "all_reduce_min": (all_reduce_op(dist.ReduceOp.MIN), [x], False, None),
         "all_reduce_product": (all_reduce_op(dist.ReduceOp.PRODUCT), [x], False, None),
@@ -321,6 +329,7 @@ def test_every_case_ran(results):
     "name",
     [
         "all_reduce",
+        "c10d_invisible_to_autograd",
         "all_reduce_max",
         "all_reduce_min",
         "all_reduce_product",
