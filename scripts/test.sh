@@ -15,5 +15,5 @@ if ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 &
     || echo "chromium could not be installed: the HTML screenshot test will be skipped"
 fi
 
-export OMP_NUM_THREADS=1 TRITON_INTERPRET=1
+export OMP_NUM_THREADS=1
 exec python -m pytest -q -ra "$@"
