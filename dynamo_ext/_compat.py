@@ -62,8 +62,8 @@ def skip_frames_of(code: Any) -> Any:
     ``torch._dynamo.eval_frame.skip_code`` / ``set_code_exec_strategy`` exist on 2.11 to 2.15.
     """
     from torch._C._dynamo.eval_frame import set_code_exec_strategy
-    from torch._dynamo.types import FrameAction, FrameExecStrategy
     from torch._dynamo.eval_frame import skip_code
+    from torch._dynamo.types import FrameAction, FrameExecStrategy
 
     skip_code(code)
     return lambda: set_code_exec_strategy(code, FrameExecStrategy(FrameAction.DEFAULT, FrameAction.DEFAULT))

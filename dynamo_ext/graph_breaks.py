@@ -30,6 +30,13 @@ OBJECT_COLLECTIVE = GraphBreakType(
     "a first round of communication; neither can be expressed as tensor ops in a graph.",
     (MOVE_OUT, "Send tensors instead and use the tensor collective (all_gather_into_tensor, broadcast)."),
 )
+UNTRACEABLE_COLLECTIVE = GraphBreakType(
+    "dynamo_ext: collective without a functional counterpart",
+    "This torch.distributed call has no functional collective counterpart: it reports "
+    "per-rank host state, enforces a host-side timeout or returns a non-tensor handle, "
+    "none of which can be recorded in a graph.",
+    (MOVE_OUT, SEE_DOCS),
+)
 GROUP_CREATION = GraphBreakType(
     "dynamo_ext: process group creation",
     "Creating a process group is a collective rendezvous with side effects on the "
@@ -38,8 +45,7 @@ GROUP_CREATION = GraphBreakType(
 )
 UNSUPPORTED_COLLECTIVE_ARGS = GraphBreakType(
     "dynamo_ext: unsupported collective arguments",
-    "This torch.distributed call has an argument combination without a functional "
-    "collective counterpart.",
+    "This torch.distributed call has an argument combination without a functional collective counterpart.",
     (SEE_DOCS,),
 )
 NON_CONSTANT_ARGUMENT = GraphBreakType(
@@ -61,8 +67,7 @@ FSDP_LAYOUT = GraphBreakType(
 )
 P2P_UNAVAILABLE = GraphBreakType(
     "dynamo_ext: point-to-point ops unavailable",
-    "This torch release has no functional point-to-point collectives to trace "
-    "isend/irecv/batch_isend_irecv into.",
+    "This torch release has no functional point-to-point collectives to trace isend/irecv/batch_isend_irecv into.",
     ("Upgrade torch, or run the point-to-point exchange outside the compiled function.",),
 )
 

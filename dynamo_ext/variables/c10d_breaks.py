@@ -16,17 +16,8 @@ from __future__ import annotations
 from typing import Any, NoReturn
 
 from .. import _compat, graph_breaks
-from ..graph_breaks import GROUP_CREATION, MOVE_OUT, OBJECT_COLLECTIVE, SEE_DOCS, GraphBreakType
+from ..graph_breaks import GROUP_CREATION, OBJECT_COLLECTIVE, UNTRACEABLE_COLLECTIVE, GraphBreakType
 from .functions import register_graph_break, register_polyfill
-
-# TODO(lead): move to dynamo_ext/graph_breaks.py (kept here: that module is not ours to edit).
-UNTRACEABLE_COLLECTIVE = GraphBreakType(
-    "dynamo_ext: collective without a functional counterpart",
-    "This torch.distributed call has no functional collective counterpart: it reports "
-    "per-rank host state, enforces a host-side timeout or returns a non-tensor handle, "
-    "none of which can be recorded in a graph.",
-    (MOVE_OUT, SEE_DOCS),
-)
 
 _CREATE_FIRST = "Create process groups once, before the compiled function, and pass them in."
 

@@ -63,7 +63,9 @@ def unshard_param(fsdp_param: Any) -> Any:
 
         spec = unsharded_spec(fsdp_param)
         meta = spec.tensor_meta
-        full = DTensor.from_local(full, spec.mesh, spec.placements, run_check=False, shape=meta.shape, stride=meta.stride)
+        full = DTensor.from_local(
+            full, spec.mesh, spec.placements, run_check=False, shape=meta.shape, stride=meta.stride
+        )
     return full
 
 

@@ -22,6 +22,7 @@ class PlacementVariable(DistributedObjectVariable):
     CONSTANT_ATTRS = frozenset({"dim", "reduce_op", "split_factor"})
     PURE_METHODS = frozenset({"is_shard", "is_replicate", "is_partial", "__str__", "__repr__"})
 
+
 class PlacementClassVariable(DistributedObjectVariable):
     """A ``Placement`` class: calling it makes a placement at trace time."""
 
