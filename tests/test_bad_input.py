@@ -77,3 +77,11 @@ def test_unmodelled_group_method_is_a_clear_graph_break(world):
         torch.compile(fn, backend="eager", fullgraph=True)(torch.ones(1))
     assert "dynamo_ext: unsupported attribute of a distributed object" in str(info.value)
     assert "ProcessGroup.allreduce" in str(info.value) and "Supported on a process group" in str(info.value)
+
+
+def test_distribute_tensor_of_a_grad_tensor_is_a_clear_graph_break(world):
+    m = init_device_mesh("cpu", (4,))
+    with pytest.raises(torch._dynamo.exc.Unsupported, match="distribute parameters outside the compiled function"):
+        torch.compile(lambda x: distribute_tensor(x, m, [Shard(0)]).to_local(), fullgraph=True)(
+            torch.ones(8, 2, requires_grad=True)
+        )

@@ -17,8 +17,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from .. import _compat, graph_breaks
+from .. import _compat
 from .._patching import Patcher
+from .c10d_breaks import unsupported
 from .functions import fold_call, register_handler, register_polyfill
 
 # NOTE [meshes made while tracing]
@@ -140,47 +141,20 @@ def distribute_tensor(tensor: Any, device_mesh: Any = None, placements: Any = No
             local = placement._partition_value(local, device_mesh, axis)
             out_placements.append(placement)
         else:
-            _unsupported_placement(placement)
+            unsupported(
+                "distribute_tensor",
+                f"placement {placement!r} on mesh axis {axis}: distribute with Shard/Replicate/Partial, "
+                "then redistribute to this placement",
+            )
     if tensor.requires_grad:
-        _requires_grad_leaf()
+        unsupported(
+            "distribute_tensor",
+            "the tensor requires grad: eager makes a new leaf DTensor that does not backpropagate to it; "
+            "distribute parameters outside the compiled function",
+        )
     return DTensor.from_local(
         local, device_mesh, out_placements, run_check=False, shape=tensor.shape, stride=tensor.stride()
     )
-
-
-def _unsupported_placement(placement: Any) -> None:
-    raise NotImplementedError(f"unreachable: {placement}")  # replaced by a graph break in _check_distribute
-
-
-def _requires_grad_leaf() -> None:
-    raise NotImplementedError("unreachable")  # replaced by a graph break in _check_distribute
-
-
-def _check_distribute(tx: Any, args: list[Any], kwargs: dict[str, Any]) -> None:
-    """Graph-break (clearly) where eager distribute_tensor makes something a graph cannot."""
-    from torch.distributed.tensor import Partial, Replicate, Shard
-
-    placements = kwargs.get("placements", args[2] if len(args) > 2 else None)
-    if placements is not None and placements.is_python_constant():
-        for p in placements.as_python_constant():
-            if type(p) not in (Shard, Replicate) and not isinstance(p, Partial):
-                graph_breaks.graph_break(
-                    graph_breaks.UNSUPPORTED_COLLECTIVE_ARGS,
-                    f"distribute_tensor(..., placements=[..., {p!r}, ...])",
-                    extra_hints=("Distribute with Shard/Replicate/Partial, then redistribute to this placement.",),
-                )
-    tensor = kwargs.get("tensor", args[0] if args else None)
-    example = getattr(tensor, "proxy", None)
-    value = None if example is None else example.node.meta.get("example_value")
-    if value is not None and getattr(value, "requires_grad", False):
-        graph_breaks.graph_break(
-            graph_breaks.UNSUPPORTED_COLLECTIVE_ARGS,
-            "distribute_tensor(tensor with requires_grad=True)",
-            extra_hints=(
-                "distribute_tensor makes a new leaf DTensor that does not backpropagate to its input; "
-                "distribute parameters outside the compiled function.",
-            ),
-        )
 
 
 class ImplicitReplicationVariable(_compat.ContextWrappingVariable):
@@ -234,7 +208,7 @@ def register(patches: Patcher) -> None:
     # as `self`.  Those frames are construction code, never user code: skip them.
     for code in (init_device_mesh.__code__, DeviceMesh.__init__.__code__):
         patches.on_undo(_compat.skip_frames_of(code))
-    register_polyfill(eager_distribute_tensor, distribute_tensor, check=_check_distribute)
+    register_polyfill(eager_distribute_tensor, distribute_tensor)
     register_handler(init_device_mesh, _mesh_handler(init_device_mesh))
     register_handler(DeviceMesh, _mesh_handler(DeviceMesh))
     implicit = _compat.optional_attr("torch.distributed.tensor.experimental", "implicit_replication")
