@@ -36,6 +36,41 @@ AttrSource = _source.AttrSource
 GlobalSource = _source.GlobalSource
 
 
+GetAttrVariable = _variables.GetAttrVariable
+
+
+def current_tx() -> Any:
+    """The instruction translator tracing right now (Dynamo's ``InstructionTranslator.current_tx()``)."""
+    from torch._dynamo.symbolic_convert import InstructionTranslator
+
+    return InstructionTranslator.current_tx()
+
+
+def dynamo_counters() -> Any:
+    """``torch._dynamo.utils.counters`` (graph breaks, unique graphs, ...)."""
+    from torch._dynamo.utils import counters
+
+    return counters
+
+
+def in_autograd_backward() -> bool:
+    """Whether an autograd node is running now (``torch._C._current_autograd_node``)."""
+    try:
+        return torch._C._current_autograd_node() is not None
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def compiled_autograd(compiler: Any) -> Any:
+    """Context manager tracing the backward with compiled autograd (``compiled_autograd._enable``).
+
+    Private in 2.11 to 2.15; torchtitan's training loop uses the same entry point.
+    """
+    from torch._dynamo import compiled_autograd as ca
+
+    return ca._enable(compiler)
+
+
 def user_function_variable(fn: Any, **kwargs: Any) -> Any:
     """A ``UserFunctionVariable`` for ``fn`` (inlined by Dynamo when called)."""
     return _variables.UserFunctionVariable(fn, **kwargs)

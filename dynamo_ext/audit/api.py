@@ -21,13 +21,13 @@ def audit(fn: Any, *args: Any, **compile_kwargs: Any) -> AuditReport:
     """
     import torch
     import torch.distributed as dist
-    from torch._dynamo.utils import counters
 
     import dynamo_ext
+    from dynamo_ext import _compat
 
     rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
     torch._dynamo.reset()
-    counters.clear()
+    _compat.dynamo_counters().clear()
     collector = Collector()
     collector.record(
         {

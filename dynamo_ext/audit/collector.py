@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 
+from .. import _compat
 from .identity import is_distributed_cause, normalize_path, user_frame_index
 
 TRACE_LOGGER = "torch.__trace"
@@ -116,12 +117,7 @@ def _stack_above_dynamo() -> list[list[Any]]:
 def _phase(metadata: dict[str, Any] | None = None, compile_id: str = "") -> str:
     if compile_id.startswith("!") or (metadata or {}).get("compiled_autograd_id") is not None:
         return "backward"
-    try:
-        if torch._C._current_autograd_node() is not None:
-            return "backward"
-    except (AttributeError, RuntimeError):
-        pass
-    return "forward"
+    return "backward" if _compat.in_autograd_backward() else "forward"
 
 
 def _compile_key(md: dict[str, Any]) -> str:
@@ -279,8 +275,7 @@ _QUIET = _Quiet()
 
 def dynamo_counters() -> dict[str, Any]:
     """The totals of ``torch._dynamo.utils.counters`` the audit cross-checks against."""
-    from torch._dynamo.utils import counters
-
+    counters = _compat.dynamo_counters()
     return {
         "graph_break": int(sum(counters["graph_break"].values())),
         "unique_graphs": int(counters["stats"].get("unique_graphs", 0)),

@@ -136,12 +136,14 @@ def parallelize(model: Decoder, mesh: object) -> Decoder:
 def compiled_backward(backend: str, *, enabled: bool = True) -> contextlib.AbstractContextManager[object]:
     """Trace the backward (FSDP2's and TP's hooks included) with compiled autograd.
 
-    ``torch._dynamo.compiled_autograd._enable`` is private; it is what
-    torchtitan's training loop uses too.  Without it the backward runs eagerly.
+    Compiled autograd's entry point is private (see ``dynamo_ext._compat.compiled_autograd``);
+    torchtitan's training loop uses it too.  Without it the backward runs eagerly.
     """
     if not enabled:
         return contextlib.nullcontext()
-    return torch._dynamo.compiled_autograd._enable(torch.compile(backend=backend))
+    from dynamo_ext import _compat
+
+    return _compat.compiled_autograd(torch.compile(backend=backend))
 
 
 def main() -> None:

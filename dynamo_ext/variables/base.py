@@ -117,11 +117,9 @@ class DistributedObjectVariable(VariableTracker):
         # object as a Python constant instead (2.11 closes over it), this is
         # never called.
         if self._stock_vt is None:
-            from torch._dynamo.symbolic_convert import InstructionTranslator
-
             from .registry import stock_variable
 
-            tx = InstructionTranslator.current_tx()
+            tx = _compat.current_tx()
             source = self.source
             if source is None and not self.IS_VALUE:
                 # Made during tracing (mesh["tp"], init_device_mesh(...)): stock
@@ -173,9 +171,7 @@ class DistributedObjectVariable(VariableTracker):
         if name in self.CONSTANT_ATTRS:
             return wrap_constant(tx, getattr(self.value, name))
         if name in self.PURE_METHODS or _python_method(self.value, name) is not None:
-            from torch._dynamo.variables import GetAttrVariable
-
-            return GetAttrVariable(self, name)
+            return _compat.GetAttrVariable(self, name)
         if name == "__class__":
             return wrap_constant(tx, type(self.value))
         try:

@@ -147,9 +147,7 @@ def hook_builders(patches: Patcher) -> None:
         if type(value) is types.MethodType and lookup(value.__self__) is not None:
             # A bound method of one of our objects, made by constant folding
             # ``getattr(placement, "is_shard")`` (torch 2.11): a method of our tracker.
-            from torch._dynamo.variables import GetAttrVariable
-
-            return GetAttrVariable(create(tx, value.__self__), value.__name__)
+            return _compat.GetAttrVariable(create(tx, value.__self__), value.__name__)
         return orig_create(tx, value)
 
     _stock.update(wrap=orig_wrap, create=orig_create)
