@@ -10,7 +10,7 @@
 # machine-wide pip constraint capping torch), the test deps and this repo in
 # editable mode (--no-deps), then runs
 #   1. pytest on the repo's tests with the given args,
-#   2. ../shared/corpus/run.py --plugin dynamo_ext --backend aot_eager,
+#   2. ../shared/corpus/run.py --plugin dynamo_ext --backend aot_eager (public cases + tests/corpus_cases.py),
 #   3. ../shared/corpus/run.py --plugin dynamo_ext --backend eager.
 # Every step runs even if an earlier one fails; the exit status is non-zero if
 # any step failed (pytest's "no tests collected", exit 5, counts as a pass).
@@ -69,8 +69,8 @@ run() {
 cd "$repo"
 run "$py" -m pytest tests "$@"
 if [[ -f "$corpus" ]]; then
-    run "$py" "$corpus" --plugin dynamo_ext --backend aot_eager
-    run "$py" "$corpus" --plugin dynamo_ext --backend eager
+    run "$py" "$corpus" --plugin dynamo_ext --backend aot_eager --cases-file "$repo/tests/corpus_cases.py"
+    run "$py" "$corpus" --plugin dynamo_ext --backend eager --cases-file "$repo/tests/corpus_cases.py"
 else
     echo "== corpus not found at $corpus; skipped"
     status=1
