@@ -99,7 +99,7 @@ def test_placements_construct_compare_hash(world, op):
         k = ps[0].dim + ps[3].split_factor * 10
         k += sum(1 for p in ps if p.is_replicate()) * 100
         k += 1000 if ps[2].reduce_op == op and ps[2].is_partial() else 0
-        k += 10000 if Shard(1) == ps[0] and hash(Shard(1)) == hash(ps[0]) else 0
+        k += 10000 if Shard(1) == ps[0] and {Shard(1): 3}[ps[0]] == 3 else 0
         k += 100000 if isinstance(ps[1], Replicate) and not isinstance(ps[1], Shard) else 0
         return x + k + len(str(ps[0])) + len(repr(ps[2]))
 
@@ -108,14 +108,31 @@ def test_placements_construct_compare_hash(world, op):
     assert torch.equal(out, fn(x))
 
 
-def test_user_placement_subclass(world):
-    from dataclasses import dataclass
+@pytest.mark.skipif(
+    not hasattr(torch._dynamo.variables.BuiltinVariable, "call_hash"),
+    reason="this torch's Dynamo has no hash() builtin handler (2.11)",
+)
+def test_hash_of_placements(world):
+    def fn(x):
+        return x + (hash(Shard(1)) == hash(Shard(1))) + (hash(Replicate()) != hash(Shard(0)))
 
+    x = torch.zeros(1)
+    assert torch.equal(compile_one(fn, x)[0], fn(x))
+
+
+def test_user_placement_subclass(world):
     from torch.distributed.tensor.placement_types import Placement
 
-    @dataclass(frozen=True)
     class Blocked(Placement):
-        block: int
+        def __init__(self, block: int):
+            super().__init__()  # 2.11's Placement is a C++ class that must be initialised
+            self.block = block
+
+        def __eq__(self, other):
+            return isinstance(other, Blocked) and other.block == self.block
+
+        def __hash__(self):
+            return hash(("Blocked", self.block))
 
         def blocks(self, n: int) -> int:
             return (n + self.block - 1) // self.block

@@ -32,6 +32,8 @@ def _value_of(vt: Any) -> Any:
 
 
 _LITERALS = (type(None), bool, int, float, str)
+# Dunders call_method answers itself (torch 2.11's polyfilled == calls a.__eq__(b)).
+_COMPARE_DUNDERS = frozenset({"__eq__", "__ne__", "__hash__"})
 
 
 def is_literal(x: Any) -> bool:
@@ -170,7 +172,7 @@ class DistributedObjectVariable(VariableTracker):
     def var_getattr(self, tx: Any, name: str) -> Any:
         if name in self.CONSTANT_ATTRS:
             return wrap_constant(tx, getattr(self.value, name))
-        if name in self.PURE_METHODS or _python_method(self.value, name) is not None:
+        if name in self.PURE_METHODS or name in _COMPARE_DUNDERS or _python_method(self.value, name) is not None:
             return _compat.GetAttrVariable(self, name)
         if name == "__class__":
             return wrap_constant(tx, type(self.value))
