@@ -18,6 +18,7 @@ from torch.testing import FileCheck
 import dynamo_ext
 from dynamo_ext.inductor_lowerings import _compat, bucketing
 from dynamo_ext.inductor_lowerings.options import options
+from dynamo_ext.inductor_lowerings.registry import ChainedGraphPass
 
 
 @pytest.fixture(autouse=True)
@@ -172,7 +173,10 @@ def test_plan_is_a_pure_function_of_the_graph(world):
         seen: list[str] = []
         cfg = _compat.inductor_config()
         with cfg.patch(
-            post_grad_custom_post_pass=[cfg.post_grad_custom_post_pass, lambda g, seen=seen: seen.append(str(g))]
+            # A ChainedGraphPass, not a list: torch 2.11's Inductor takes one callable.
+            post_grad_custom_post_pass=ChainedGraphPass(
+                [cfg.post_grad_custom_post_pass, lambda g, s=seen: s.append(str(g))]
+            )
         ):
             _compile(scaled_all_reduces, *grads_of_sizes(8))
         texts.append(seen[-1])

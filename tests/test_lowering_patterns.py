@@ -20,6 +20,7 @@ from torch.testing import FileCheck
 import dynamo_ext
 from dynamo_ext.inductor_lowerings import _compat, rms_norm_fusion, rms_norm_lowering
 from dynamo_ext.inductor_lowerings.options import options
+from dynamo_ext.inductor_lowerings.registry import ChainedGraphPass
 
 
 @pytest.fixture(autouse=True)
@@ -257,7 +258,9 @@ def test_one_shot_collective_kernel_codegen_and_numerics_without_comm_buffer(wor
 def _post_grad_graph_or_error(fn, *args) -> str:
     seen: list[str] = []
     cfg = _compat.inductor_config()
-    with cfg.patch(post_grad_custom_post_pass=[cfg.post_grad_custom_post_pass, lambda g: seen.append(str(g))]):
+    with cfg.patch(
+        post_grad_custom_post_pass=ChainedGraphPass([cfg.post_grad_custom_post_pass, lambda g: seen.append(str(g))])
+    ):
         torch._dynamo.reset()
         with pytest.raises(Exception, match="Comm buffer requires a valid (CUDA|accelerator) device"):
             torch.compile(fn, backend="inductor")(*args)
