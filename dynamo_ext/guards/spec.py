@@ -46,10 +46,6 @@ class GuardSpec:
     extract: Callable[[Any], Any]
     describe: Callable[[Any, Any], str | None]
 
-    def check(self, expected: Any, value: Any) -> str | None:
-        """The difference between ``expected`` (a meta record) and ``value``'s, or ``None``."""
-        return self.describe(expected, self.extract(value))
-
 
 def marker(key: str) -> str:
     """The verbose code part Dynamo prints for a failed guard; replaced by the reason."""

@@ -42,10 +42,7 @@ def _hashable(x: Any) -> Any:
 
 def _memoized_mesh(fn: Any) -> Any:
     def make(*args: Any, **kwargs: Any) -> Any:
-        import torch
-
-        if any(isinstance(a, torch.Tensor) for a in (*args, *kwargs.values())):
-            raise TypeError("unreachable: tensors are not trace-time constants")
+        # fold_call passes only trace-time constants (a traced tensor is a graph break first).
         key = (fn, _hashable(args), _hashable(kwargs))
         if key not in _MESH_CACHE:
             _MESH_CACHE[key] = fn(*args, **kwargs)
@@ -64,7 +61,7 @@ def _mesh_handler(fn: Any) -> Any:
     return handler
 
 
-def _shard_local(tensor: Any, placement: Any, dim: int, mesh: Any, axis: int, src_data_rank: Any) -> Any:
+def _shard_local(tensor: Any, dim: int, mesh: Any, axis: int, src_data_rank: Any) -> Any:
     """This rank's shard of ``tensor`` along ``dim`` over mesh axis ``axis`` (eager: ``Shard._make_shard_tensor``)."""
     import torch.distributed._functional_collectives as funcol
 
@@ -129,7 +126,7 @@ def distribute_tensor(tensor: Any, device_mesh: Any = None, placements: Any = No
                     f"Dimension out of range (expected to be in range of [{-tensor.ndim}, {tensor.ndim - 1}], "
                     f"but got {placement.dim})"
                 )
-            local = _shard_local(local, placement, dim, device_mesh, axis, src_data_rank)
+            local = _shard_local(local, dim, device_mesh, axis, src_data_rank)
             out_placements.append(Shard(dim))
         elif type(placement) is Replicate:
             if src_data_rank is not None:
