@@ -49,6 +49,36 @@ def output_dtypes(
     return mid, product, final
 
 
+def check_arguments(
+    input: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor | None,
+    *,
+    upcast: torch.dtype | None,
+    mid_dtype: torch.dtype | None,
+    out_dtype: torch.dtype | None,
+) -> tuple[torch.dtype | None, torch.dtype | None, torch.dtype]:
+    """Shapes, dtypes and layouts the kernels take; :func:`output_dtypes` of them, or TypeError/ValueError."""
+    if input.dtype not in SUPPORTED_DTYPES or residual.dtype != input.dtype:
+        raise TypeError(
+            f"input {input.dtype} / residual {residual.dtype}: expected one dtype of {SUPPORTED_DTYPES} for both"
+        )
+    if input.shape != residual.shape or not (input.is_contiguous() and residual.is_contiguous()):
+        raise ValueError(
+            f"input {tuple(input.shape)} and residual {tuple(residual.shape)} must have one shape and be contiguous"
+        )
+    n_cols = input.shape[-1]
+    if weight is not None and (weight.numel() != n_cols or not weight.is_contiguous()):
+        raise ValueError(f"weight {tuple(weight.shape)}: expected {n_cols} contiguous elements")
+    return output_dtypes(
+        input.dtype,
+        None if weight is None else weight.dtype,
+        upcast=upcast,
+        mid_dtype=mid_dtype,
+        out_dtype=out_dtype,
+    )
+
+
 def one_shot_all_reduce_residual_rms_norm(
     peers: PeerBuffers,
     input: torch.Tensor,
@@ -66,24 +96,10 @@ def one_shot_all_reduce_residual_rms_norm(
     ``input`` must live in ``peers``' local buffer at the same offset on every rank;
     every rank of ``peers`` must call this with the same shapes (it is a collective).
     """
-    if input.dtype not in SUPPORTED_DTYPES or residual.dtype != input.dtype:
-        raise TypeError(
-            f"input {input.dtype} / residual {residual.dtype}: expected one dtype of {SUPPORTED_DTYPES} for both"
-        )
-    if input.shape != residual.shape or not (input.is_contiguous() and residual.is_contiguous()):
-        raise ValueError(
-            f"input {tuple(input.shape)} and residual {tuple(residual.shape)} must have one shape and be contiguous"
-        )
-    n_cols = input.shape[-1]
-    if weight is not None and (weight.numel() != n_cols or not weight.is_contiguous()):
-        raise ValueError(f"weight {tuple(weight.shape)}: expected {n_cols} contiguous elements")
-    mid, product, final = output_dtypes(
-        input.dtype,
-        None if weight is None else weight.dtype,
-        upcast=upcast,
-        mid_dtype=mid_dtype,
-        out_dtype=out_dtype,
+    mid, product, final = check_arguments(
+        input, residual, weight, upcast=upcast, mid_dtype=mid_dtype, out_dtype=out_dtype
     )
+    n_cols = input.shape[-1]
     n_rows = input.numel() // max(n_cols, 1)
     summed = torch.empty_like(input)
     normed = torch.empty(input.shape, dtype=final, device=input.device)
