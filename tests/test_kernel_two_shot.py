@@ -7,6 +7,8 @@
   bf16, the chain's cast variants, against float64 and the exact-dtype reference; the
   signal pads are back to zero afterwards.
 - Compiled offline for sm_90 (no GPU needed): three barriers of sys-scope acquire/release.
+- The size dispatch (``ops.fused_all_reduce_algorithm``, ``options.two_shot_max_bytes``)
+  and the fusion pass admitting two-shot sizes, on the CPU.
 - On a CUDA device (``gpu`` marker): symmetric memory at world size 1.
 """
 
@@ -34,7 +36,16 @@ MAX_BLOCKS = 2
 BUFFER_NBYTES = 1 << 16
 
 
-def _interpreted_rank(rank: int, world_size: int, directory: str) -> list[dict[str, Any]]:
+@pytest.fixture
+def lowering_options():
+    from dynamo_ext.inductor_lowerings.options import options
+
+    saved = dict(vars(options))
+    yield options
+    vars(options).update(saved)
+
+
+def _interpreted_rank(rank: int, world_size: int, directory: str, staging_dir: str) -> list[dict[str, Any]]:
     import torch.distributed as dist
 
     from dynamo_ext.inductor_lowerings.kernels import two_shot_all_reduce_rms_norm as kernel
@@ -42,15 +53,23 @@ def _interpreted_rank(rank: int, world_size: int, directory: str) -> list[dict[s
 
     assert os.environ.get("TRITON_INTERPRET") == "1"
     peers = PeerBuffers.open_host_shared(directory, rank=rank, world_size=world_size)
+    workspace = PeerBuffers.open_host_shared(staging_dir, rank=rank, world_size=world_size)
     results = []
-    for case in CASES:  # one buffer reused case after case: the exit barrier makes that safe
+    for i, case in enumerate(CASES):  # one buffer reused case after case: the exit barrier makes that safe
         rows, cols, dtype, _, upcast, mid, out_dtype = case
         inputs, residual, weight = _case_inputs(case, world_size)
         x = peers.local_tensor((rows, cols), dtype)
         x.copy_(inputs[rank])
         casts = {"upcast": upcast, "mid_dtype": mid, "out_dtype": out_dtype}
         got = kernel.two_shot_all_reduce_residual_rms_norm(
-            peers, x, residual, weight, eps=EPS, max_blocks=MAX_BLOCKS, **casts
+            peers,
+            x,
+            residual,
+            weight,
+            eps=EPS,
+            max_blocks=MAX_BLOCKS,
+            staging=workspace if i % 2 else None,  # a separate workspace, or after the input
+            **casts,
         )
         exact = kernel.reference(inputs, residual, weight, eps=EPS, **casts)
         truth = kernel.reference_float64(inputs, residual, weight, eps=EPS)
@@ -75,7 +94,10 @@ def test_two_shot_kernel_across_processes_under_the_interpreter(world_size, tmp_
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # inherited by the spawned ranks
     create_host_shared(str(tmp_path), world_size=world_size, buffer_nbytes=BUFFER_NBYTES, max_blocks=MAX_BLOCKS)
-    by_rank = run_on_ranks(_interpreted_rank, str(tmp_path), nproc=world_size, plugin=False)
+    (tmp_path / "staging").mkdir()
+    staging = str(tmp_path / "staging")
+    create_host_shared(staging, world_size=world_size, buffer_nbytes=BUFFER_NBYTES, max_blocks=1)
+    by_rank = run_on_ranks(_interpreted_rank, str(tmp_path), staging, nproc=world_size, plugin=False)
     for rank, results in enumerate(by_rank):
         assert results[-1]["signal_slots_left_raised"] == 0, f"rank {rank}: barrier left slots raised"
         for r, case in zip(results[:-1], CASES, strict=True):
@@ -106,6 +128,43 @@ def test_staging_must_fit_the_buffer_clear_of_the_input(tmp_path):
         kernel.two_shot_all_reduce_residual_rms_norm(peers, x, residual, None, eps=EPS, staging_offset=800)
 
 
+def test_the_kernel_is_picked_by_input_size(lowering_options):
+    from dynamo_ext.inductor_lowerings.ops import fused_all_reduce_algorithm
+
+    one, two = lowering_options.one_shot_max_bytes, lowering_options.two_shot_max_bytes
+    assert one < two
+    assert fused_all_reduce_algorithm(1) == "one_shot"
+    assert fused_all_reduce_algorithm(one) == "one_shot"
+    assert fused_all_reduce_algorithm(one + 1) == "two_shot"
+    assert fused_all_reduce_algorithm(two) == "two_shot"
+    assert fused_all_reduce_algorithm(two + 1) is None
+    lowering_options.two_shot_max_bytes = one  # two-shot off
+    assert fused_all_reduce_algorithm(one + 1) is None
+
+
+@pytest.mark.parametrize(("one_shot_max", "two_shot_max", "fused"), [(1024, 4096, True), (1024, 1024, False)])
+def test_fusion_pass_admits_two_shot_sizes(world, monkeypatch, lowering_options, one_shot_max, two_shot_max, fused):
+    """A 2 KiB all-reduce above ``one_shot_max_bytes``: fused up to ``two_shot_max_bytes``, else stock."""
+    from test_lowering_patterns import _args, _compile, block_manual
+
+    from dynamo_ext.inductor_lowerings import _compat, rms_norm_lowering
+
+    test_mode = _compat.symm_mem_test_mode()
+    if test_mode is None:
+        pytest.skip("this torch has no symmetric-memory test mode")
+    lowering_options.one_shot_device_types = ("cpu",)
+    lowering_options.one_shot_max_bytes, lowering_options.two_shot_max_bytes = one_shot_max, two_shot_max
+    monkeypatch.setattr(rms_norm_lowering, "_into_comm_buffer", lambda x, group_name: x)
+    args = _args(torch.float32, rows=8, hidden=64)  # 8 x 64 x 4 = 2048 bytes
+    with test_mode():
+        out, code = _compile(block_manual, *args)
+    call = code[code.index("def call") :]
+    assert ("dynamo_ext.one_shot_all_reduce_residual_rms_norm.default(" in call) == fused
+    assert ("all_reduce_.default(" in call) != fused
+    for o, e in zip(out, block_manual(*args)):
+        torch.testing.assert_close(o, e, rtol=1e-5, atol=1e-5)  # fp32: the stock path's sum order may differ
+
+
 @pytest.mark.skipif(not _nvidia_backend_available(), reason="triton without its NVIDIA backend")
 def test_kernel_compiles_for_sm90_with_system_scope_acquire_release():
     """No GPU needed: Triton compiles to PTX offline; three barriers, each sys-scope acquire/release."""
@@ -120,7 +179,7 @@ def test_kernel_compiles_for_sm90_with_system_scope_acquire_release():
 
     world = 4
     signature = {
-        **dict.fromkeys(("buffer_ptrs", "signal_pad_ptrs"), "i64"),
+        **dict.fromkeys(("buffer_ptrs", "signal_pad_ptrs", "staging_ptrs"), "i64"),
         **dict.fromkeys(("input_offset", "sum_stage_offset", "norm_stage_offset", "rstd_stage_offset"), "i64"),
         **dict.fromkeys(("residual_ptr", "weight_ptr", "sum_out_ptr", "norm_out_ptr"), "*bf16"),
         "rstd_out_ptr": "*fp32",

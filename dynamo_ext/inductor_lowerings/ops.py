@@ -1,7 +1,8 @@
 """The custom ops our post-grad passes put into the graph, and their PyTorch references.
 
 ``dynamo_ext::residual_rms_norm`` is the add+RMSNorm epilogue of an all-reduce;
-``dynamo_ext::one_shot_all_reduce_residual_rms_norm`` also does the all-reduce.
+``dynamo_ext::one_shot_all_reduce_residual_rms_norm`` also does the all-reduce (on CUDA,
+the one-shot kernel, or the two-shot kernel for larger inputs: :func:`fused_all_reduce_algorithm`).
 Both are defined by :func:`define_ops` at install time on one
 ``torch.library.Library`` that uninstall destroys, so nothing is left in
 ``torch.ops`` afterwards.
@@ -18,6 +19,7 @@ import torch
 
 from .._patching import Patcher
 from . import _compat
+from .options import options
 
 NAMESPACE = "dynamo_ext"
 
@@ -68,6 +70,21 @@ def _one_shot_fallback(
     return list(residual_rms_norm_reference(reduced, residual, weight, eps, upcast, mid_dtype, out_dtype))
 
 
+def fused_all_reduce_algorithm(nbytes: int) -> str | None:
+    """Which kernel fuses an all-reduce of ``nbytes`` input bytes: "one_shot", "two_shot", or None (too big).
+
+    One-shot reads every peer's whole input (``world x nbytes`` per rank, one
+    barrier): best while latency dominates.  Two-shot reads ``nbytes / world`` from
+    each peer and gathers the finished rows (``2 x nbytes`` per rank, three barriers):
+    best once bandwidth does.  Larger all-reduces stay stock collectives.
+    """
+    if nbytes <= options.one_shot_max_bytes:
+        return "one_shot"
+    if nbytes <= options.two_shot_max_bytes:
+        return "two_shot"
+    return None
+
+
 def _one_shot_cuda(
     input: torch.Tensor,
     residual: torch.Tensor,
@@ -78,26 +95,31 @@ def _one_shot_cuda(
     out_dtype: torch.dtype | None,
     group_name: str,
 ) -> list[torch.Tensor]:
-    """CUDA: the one-shot Triton kernel when ``input`` lives in symmetric memory, else the fallback."""
+    """CUDA: the one-shot or two-shot Triton kernel when ``input`` lives in symmetric memory, else the fallback."""
     from .kernels import one_shot_all_reduce_rms_norm as launcher
+    from .kernels import two_shot_all_reduce_rms_norm as two_shot
     from .kernels.peer_buffers import PeerBuffers
 
     try:
         peers = PeerBuffers.from_symmetric_memory(input, group_name)
     except RuntimeError:  # not a symmetric-memory allocation (an eager call): plain collective
         return _one_shot_fallback(input, residual, weight, eps, upcast, mid_dtype, out_dtype, group_name)
-    return list(
-        launcher.one_shot_all_reduce_residual_rms_norm(
-            peers,
-            input,
-            residual,
-            weight,
-            eps=eps,
-            upcast=upcast,
-            mid_dtype=mid_dtype,
-            out_dtype=out_dtype,
-        )
-    )
+    casts = {"eps": eps, "upcast": upcast, "mid_dtype": mid_dtype, "out_dtype": out_dtype}
+    if peers.world_size > 1 and fused_all_reduce_algorithm(input.numel() * input.element_size()) == "two_shot":
+        final = launcher.check_arguments(
+            input, residual, weight, upcast=upcast, mid_dtype=mid_dtype, out_dtype=out_dtype
+        )[2]
+        try:  # the results are staged in the group's workspace (same size on every rank: a collective call)
+            staging = PeerBuffers.symmetric_workspace(
+                group_name, two_shot.staging_nbytes(tuple(input.shape), input.dtype, final), input.device
+            )
+        except RuntimeError:  # it would have to grow during CUDA graph capture: one-shot needs no workspace
+            staging = None
+        if staging is not None:
+            return list(
+                two_shot.two_shot_all_reduce_residual_rms_norm(peers, input, residual, weight, staging=staging, **casts)
+            )
+    return list(launcher.one_shot_all_reduce_residual_rms_norm(peers, input, residual, weight, **casts))
 
 
 def _one_shot_fake(

@@ -38,6 +38,11 @@ class LoweringOptions:
     one_shot_max_bytes: int = 1 << 20
     """Largest all-reduce input (bytes) the one-shot kernel takes; each rank reads every peer's copy."""
 
+    two_shot_max_bytes: int = 16 << 20
+    """Largest all-reduce input (bytes) fused on CUDA: above ``one_shot_max_bytes`` the two-shot kernel
+    runs (each rank reduces 1/world of the rows, then gathers the others' finished rows); larger
+    inputs stay stock all-reduces.  At most ``one_shot_max_bytes`` turns the two-shot kernel off."""
+
     one_shot_max_hidden: int = 16384
     """Largest row the one-shot kernel keeps in registers (one program per row)."""
 

@@ -274,7 +274,11 @@ def _one_shot_dtypes_supported(match: ResidualRMSNormMatch) -> bool:
 
 
 def should_lower_as_one_shot(match: ResidualRMSNormMatch) -> bool:
-    """Fold the all-reduce in too: CUDA, sum, symmetric memory for the group, small, supported dtypes."""
+    """Fold the all-reduce in too: CUDA, sum, symmetric memory for the group, small, supported dtypes.
+
+    "Small": up to ``options.two_shot_max_bytes``; the op picks the one-shot or the
+    two-shot kernel by size when it runs (:func:`ops.fused_all_reduce_algorithm`).
+    """
     val = _val(match.all_reduce.args[0])
     return (
         options.one_shot
@@ -283,7 +287,7 @@ def should_lower_as_one_shot(match: ResidualRMSNormMatch) -> bool:
         and match.reduce_op == "sum"
         and len(match.wait.users) == 1
         and val.dtype in (torch.float32, torch.bfloat16, torch.float16)
-        and val.numel() * val.element_size() <= options.one_shot_max_bytes
+        and ops.fused_all_reduce_algorithm(val.numel() * val.element_size()) is not None
         and val.shape[-1] <= options.one_shot_max_hidden
         and _compat.has_triton()
         and _compat.comm_buffer_api() is not None

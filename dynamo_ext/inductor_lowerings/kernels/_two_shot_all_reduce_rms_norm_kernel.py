@@ -12,7 +12,7 @@ so the all-reduce is split by rows: rank ``r`` owns rows
 2. Reduce-scatter + epilogue: rank ``r`` reads only its own slice from every peer,
    sums it, adds the residual, normalizes, and writes the three results (residual
    sum, normalized output, rstd) to its local outputs and to staging areas in its own
-   peer buffer.
+   peer-addressable buffer (after the input, or a separate symmetric workspace).
 3. Middle barrier: the peers' finished slices are readable.
 4. All-gather: rank ``r`` copies every other rank's staged slice into its outputs.
 5. Exit barrier: no peer still reads this rank's staging, so it may be reused.
@@ -52,6 +52,7 @@ def _slice_bounds(slice_rank, n_rows, WORLD_SIZE: tl.constexpr):
 def _two_shot_all_reduce_residual_rms_norm_kernel(
     buffer_ptrs,
     signal_pad_ptrs,
+    staging_ptrs,
     input_offset,
     sum_stage_offset,
     norm_stage_offset,
@@ -78,10 +79,12 @@ def _two_shot_all_reduce_residual_rms_norm_kernel(
     input dtype; ``norm_out_ptr``: ``[n_rows, n_cols]`` of the output dtype;
     ``rstd_out_ptr``: ``[n_rows]`` fp32; ``weight_ptr``: ``[n_cols]`` (read only with
     ``HAS_WEIGHT``).  ``buffer_ptrs`` / ``signal_pad_ptrs`` are addresses of int64
-    tables of each rank's buffer and signal pad as this process sees them.  The
-    ``*_stage_offset`` arguments are element offsets (in the input dtype, the output
-    dtype and fp32) of the staging areas, each ``[n_rows, ...]``, in every rank's peer
-    buffer; they must not overlap the input or each other.  Numerics are the one-shot
+    tables of each rank's buffer and signal pad as this process sees them;
+    ``staging_ptrs`` of an int64 table of each rank's staging buffer (``buffer_ptrs``
+    itself, or a separate symmetric workspace).  The ``*_stage_offset`` arguments are
+    element offsets (in the input dtype, the output dtype and fp32) of the staging
+    areas, each ``[n_rows, ...]``, in every rank's staging buffer; they must not
+    overlap the input or each other.  Numerics are the one-shot
     kernel's: fp32 accumulation rounded once to the input dtype, the residual add
     rounded once more, ``MID_DTYPE`` / ``PRODUCT_DTYPE`` replay the chain's casts.
     """
@@ -94,7 +97,8 @@ def _two_shot_all_reduce_residual_rms_norm_kernel(
     mask = cols < n_cols
     eps = tl.cast(eps, tl.float32)  # a Python float under the interpreter, fp32 when compiled
     table = buffer_ptrs.to(tl.pointer_type(tl.int64))
-    local_base = tl.load(table + rank)
+    stage_table = staging_ptrs.to(tl.pointer_type(tl.int64))
+    local_base = tl.load(stage_table + rank)
     sum_stage = local_base.to(tl.pointer_type(dtype)) + sum_stage_offset
     norm_stage = local_base.to(tl.pointer_type(out_dtype)) + norm_stage_offset
     rstd_stage = local_base.to(tl.pointer_type(tl.float32)) + rstd_stage_offset
@@ -133,7 +137,7 @@ def _two_shot_all_reduce_residual_rms_norm_kernel(
     _blockwise_barrier(signal_pad_ptrs, pid, rank, WORLD_SIZE)
     for step in tl.static_range(1, WORLD_SIZE):
         peer = (rank + step) % WORLD_SIZE  # staggered, so ranks do not all read one peer at once
-        peer_base = tl.load(table + peer)
+        peer_base = tl.load(stage_table + peer)
         peer_sum = peer_base.to(tl.pointer_type(dtype)) + sum_stage_offset
         peer_norm = peer_base.to(tl.pointer_type(out_dtype)) + norm_stage_offset
         peer_rstd = peer_base.to(tl.pointer_type(tl.float32)) + rstd_stage_offset

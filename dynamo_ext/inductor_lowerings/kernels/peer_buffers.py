@@ -1,9 +1,10 @@
-"""Where a rank finds its peers' buffers and signal pads, for the one-shot kernels.
+"""Where a rank finds its peers' buffers and signal pads, for the one-shot and two-shot kernels.
 
 Two sources give the same :class:`PeerBuffers`:
 
 - :meth:`PeerBuffers.from_symmetric_memory`: CUDA symmetric memory (the tables of
-  peer addresses live on the device, from ``rendezvous``);
+  peer addresses live on the device, from ``rendezvous``), and
+  :meth:`PeerBuffers.symmetric_workspace` for the group's workspace;
 - :func:`create_host_shared` + :meth:`PeerBuffers.open_host_shared`: one file per
   rank (buffer) and per rank (signal pad) in a directory, mapped ``MAP_SHARED`` into
   every process with ``torch.from_file(shared=True)``, so kernels run by the Triton
@@ -68,9 +69,21 @@ class PeerBuffers:
 
         Raises RuntimeError when ``tensor`` was not allocated from symmetric memory.
         """
-        symm = _compat.symm_mem_rendezvous(tensor, group_name)
+        return cls._from_handle(_compat.symm_mem_rendezvous(tensor, group_name), tensor.device)
+
+    @classmethod
+    def symmetric_workspace(cls, group_name: str, min_nbytes: int, device: torch.device) -> PeerBuffers:
+        """The group's symmetric-memory workspace (``get_symm_mem_workspace``), at least ``min_nbytes``.
+
+        Collective when it grows (every rank must ask for the same size); raises
+        RuntimeError where it would have to grow during CUDA graph capture.
+        """
+        return cls._from_handle(_compat.symm_mem_module().get_symm_mem_workspace(group_name, min_nbytes), device)
+
+    @classmethod
+    def _from_handle(cls, symm: Any, device: torch.device) -> PeerBuffers:
         slots = int(symm.signal_pad_size) // SIGNAL_SLOT_BYTES // symm.world_size
-        sms = torch.cuda.get_device_properties(tensor.device).multi_processor_count
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
         return cls(
             rank=symm.rank,
             world_size=symm.world_size,

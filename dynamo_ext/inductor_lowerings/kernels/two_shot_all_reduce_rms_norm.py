@@ -55,15 +55,17 @@ def two_shot_all_reduce_residual_rms_norm(
     mid_dtype: torch.dtype | None = None,
     out_dtype: torch.dtype | None = None,
     max_blocks: int | None = None,
+    staging: PeerBuffers | None = None,
     staging_offset: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(input summed over ranks + residual, its RMSNorm [* weight], rstd)``, as the one-shot launcher.
 
     ``input`` ``[..., n_cols]`` (fp32, fp16 or bf16) must live in ``peers``' local buffer
     at the same offset on every rank; every rank must call this with the same shapes
-    and arguments (it is a collective).  The results are staged in the peer buffer
-    from byte ``staging_offset`` (default: just after the input), which needs
-    :func:`staging_nbytes` bytes there, clear of the input.
+    and arguments (it is a collective).  The results are staged from byte
+    ``staging_offset`` of ``staging``'s buffers (a separate symmetric workspace of the
+    same group; default 0), or without ``staging`` of ``peers``' buffers (default: just
+    after the input), which needs :func:`staging_nbytes` bytes there, clear of the input.
     """
     mid, product, final = check_arguments(
         input, residual, weight, upcast=upcast, mid_dtype=mid_dtype, out_dtype=out_dtype
@@ -78,11 +80,18 @@ def two_shot_all_reduce_residual_rms_norm(
     input_offset = peers.element_offset(input)
     input_start = input_offset * input.element_size()
     input_end = input_start + input.numel() * input.element_size()
-    start = input_end if staging_offset is None else staging_offset
-    sum_at, norm_at, rstd_at, end = _staging_layout(start, n_rows, input.numel(), input.dtype, final)
-    if (start < input_end and end > input_start) or start < 0 or end > peers.buffer_nbytes:
+    if staging is not None and (staging.rank, staging.world_size) != (peers.rank, peers.world_size):
         raise ValueError(
-            f"staging [{sum_at}, {end}) must fit rank {peers.rank}'s peer buffer of {peers.buffer_nbytes} bytes "
+            f"staging is rank {staging.rank} of {staging.world_size}, peers {peers.rank} of {peers.world_size}"
+        )
+    default_start = input_end if staging is None else 0
+    start = default_start if staging_offset is None else staging_offset
+    sum_at, norm_at, rstd_at, end = _staging_layout(start, n_rows, input.numel(), input.dtype, final)
+    stage = peers if staging is None else staging
+    overlaps = staging is None and start < input_end and end > input_start
+    if overlaps or start < 0 or end > stage.buffer_nbytes:
+        raise ValueError(
+            f"staging [{sum_at}, {end}) must fit rank {stage.rank}'s buffer of {stage.buffer_nbytes} bytes "
             f"clear of the input [{input_start}, {input_end}); allocate staging_nbytes() more"
         )
     import triton
@@ -93,6 +102,7 @@ def two_shot_all_reduce_residual_rms_norm(
     _two_shot_all_reduce_residual_rms_norm_kernel[grid](
         peers.buffer_ptrs,
         peers.signal_pad_ptrs,
+        stage.buffer_ptrs,
         input_offset,
         sum_at // input.element_size(),
         norm_at // final.itemsize,
