@@ -181,3 +181,178 @@ def test_plan_is_a_pure_function_of_the_graph(world):
             _compile(scaled_all_reduces, *grads_of_sizes(8))
         texts.append(seen[-1])
     assert texts[0] == texts[1] and texts[0].count("all_reduce.default") == 1
+
+
+# ---- FSDP-style all-gathers and reduce-scatters (NOTE [all-gather / reduce-scatter buckets]) ----
+def _ag_rs_calls(code: str) -> tuple[int, int]:
+    call = code[code.index("def call") :]
+    return (
+        len(re.findall(r"_c10d_functional\.all_gather_into_tensor(?:_out)?\.default\(", call)),
+        len(re.findall(r"_c10d_functional\.reduce_scatter_tensor(?:_out)?\.default\(", call)),
+    )
+
+
+def shards_and_grads(n: int = 8) -> list[torch.Tensor]:
+    """``n`` parameter shards to gather, then ``n`` unsharded gradients (dim 0 a multiple of 4) to scatter."""
+    g = torch.Generator().manual_seed(0)
+    shards = [torch.randn(*((3 + i, 5) if i % 2 else (16 * (i + 1),)), generator=g) for i in range(n)]
+    grads = [torch.randn(*((4 * (i + 1), 3) if i % 2 else (4 * (7 + i),)), generator=g) for i in range(n)]
+    return shards + grads
+
+
+def fsdp_step(*ts):
+    """FSDP's collectives: gather every (cast) shard, reduce-scatter every (scaled) gradient, all on dim 0."""
+    n = len(ts) // 2
+    gathered = [funcol.all_gather_tensor(s.to(torch.bfloat16), 0, dist.group.WORLD) for s in ts[:n]]
+    scattered = [funcol.reduce_scatter_tensor(g * 0.25, "sum", 0, dist.group.WORLD) for g in ts[n:]]
+    return gathered + scattered
+
+
+def _eager(fn, *args):
+    return [t.wait() if hasattr(t, "wait") else t for t in fn(*args)]
+
+
+def test_small_all_gathers_and_reduce_scatters_become_one_each(world):
+    args = shards_and_grads()
+    out, code = _compile(fsdp_step, *args)
+    assert _ag_rs_calls(code) == (1, 1)
+    call = code[code.index("def call") :]
+    # one pack kernel (with the cast) before the all-gather, one kernel after it that re-assembles the
+    # gathered blocks in rank order (it also packs the reduce-scatter input, scale folded in), and the
+    # reduce-scatter results are views: no kernel after it
+    FileCheck().check_count("cpp_fused", 1, exactly=True).check("all_gather_into_tensor.default(").check(
+        "wait_tensor"
+    ).check_count("cpp_fused", 1, exactly=True).check("reduce_scatter_tensor.default(").check("wait_tensor").check_not(
+        "cpp_fused"
+    ).run(call)
+    FileCheck().check("0.25").run(code)
+    for o, r in zip(out, _eager(fsdp_step, *args)):
+        assert o.shape == r.shape and o.dtype == r.dtype and torch.equal(o, r)
+    dynamo_ext.uninstall()
+    _, stock = _compile(fsdp_step, *args)
+    assert _ag_rs_calls(stock) == (len(args) // 2, len(args) // 2)
+
+
+def test_all_gather_and_reduce_scatter_switched_off_by_option(world):
+    options.bucket_all_gathers_reduce_scatters = False
+    args = shards_and_grads(4)
+    _, code = _compile(fsdp_step, *args)
+    assert _ag_rs_calls(code) == (4, 4)
+
+
+def test_all_gather_limits_count_the_gathered_size(world):
+    options.bucket_small_bytes = 4096
+    options.bucket_cap_bytes = 8192
+    # 256 B shards gather to 1 KiB on 4 ranks: 8 fill the 8 KiB cap, 4 more make a second bucket;
+    # a 2 KiB shard gathers to 8 KiB, not small
+    args = [torch.randn(64) for _ in range(12)] + [torch.randn(512)]
+    out, code = _compile(lambda *xs: [funcol.all_gather_tensor(x, 0, dist.group.WORLD) for x in xs], *args)
+    assert _ag_rs_calls(code) == (3, 0)
+    for o, r in zip(out, _eager(lambda *xs: [funcol.all_gather_tensor(x, 0, dist.group.WORLD) for x in xs], *args)):
+        assert torch.equal(o, r)
+
+
+def test_dynamic_shapes_are_left_alone(world):
+    args = shards_and_grads(3)
+    for t in args:
+        torch._dynamo.mark_dynamic(t, 0)
+    out, code = _compile(fsdp_step, *args)
+    assert _ag_rs_calls(code) == (3, 3)
+    for o, r in zip(out, _eager(fsdp_step, *args)):
+        assert torch.equal(o, r)
+
+
+class _SimulatedWorld(torch.fx.Interpreter):
+    """Runs a graph as rank ``rank`` of ``size`` ranks whose inputs are this one's plus ``1000 * r``.
+
+    Collective inputs are copies of graph inputs here, so rank ``r``'s collective input is this
+    rank's plus ``1000 * r`` too: the collectives can be computed from one rank's data alone.
+    """
+
+    def __init__(self, gm: torch.fx.GraphModule, rank: int, size: int) -> None:
+        super().__init__(gm)
+        self.rank, self.size = rank, size
+
+    def call_function(self, target, args, kwargs):
+        c10d = torch.ops._c10d_functional
+        if target is c10d.wait_tensor.default:
+            return args[0]
+        if target is c10d.all_gather_into_tensor.default:
+            return torch.cat([args[0] + 1000 * r for r in range(self.size)])
+        if target is c10d.reduce_scatter_tensor.default:
+            return sum((args[0] + 1000 * r).chunk(self.size)[self.rank] for r in range(self.size))
+        return super().call_function(target, args, kwargs)
+
+
+def test_all_gather_reduce_scatter_plan_and_layout():
+    """A pure plan; the merged graph gathers in rank order and scatters every member's own chunk."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+    c10d = torch.ops._c10d_functional
+    shapes = [(3, 2), (5,), (2, 2), (4,), (8, 3), (12,), (5,), (6,), (2, 2), (16,)]
+    g = torch.fx.Graph()
+    xs = [g.placeholder(f"x{i}") for i in range(len(shapes))]
+
+    def wait(n):
+        return g.call_function(c10d.wait_tensor.default, (n,))
+
+    outs = [
+        wait(g.call_function(c10d.all_gather_into_tensor.default, (xs[0], 4, "0"))),
+        wait(g.call_function(c10d.all_gather_into_tensor.default, (xs[1], 4, "0"))),
+        wait(g.call_function(c10d.all_gather_into_tensor.default, (xs[2], 2, "1"))),  # other group
+        wait(g.call_function(c10d.all_gather_into_tensor.default, (xs[3], 4, "0"))),
+        wait(g.call_function(c10d.reduce_scatter_tensor.default, (xs[4], "sum", 4, "0"))),
+        wait(g.call_function(c10d.reduce_scatter_tensor.default, (xs[5], "sum", 4, "0"))),
+        wait(g.call_function(c10d.reduce_scatter_tensor.default, (xs[6], "sum", 5, "2"))),  # dim 0 = 5: 1 each
+        wait(g.call_function(c10d.reduce_scatter_tensor.default, (xs[7], "max", 4, "0"))),  # other op
+        wait(g.call_function(c10d.all_gather_into_tensor.default, (xs[8], 4, "0"))),
+        wait(g.call_function(c10d.reduce_scatter_tensor.default, (xs[9], "sum", 4, "0"))),
+    ]
+    g.output(tuple(outs))
+    gm = torch.fx.GraphModule(torch.nn.Module(), g)
+    mode = FakeTensorMode()
+    with mode:
+        fake = [torch.empty(s) for s in shapes]
+    FakeTensorProp(gm, mode).propagate(*fake)
+    before = str(gm.graph)
+    plan = bucketing.plan_buckets(gm.graph)
+    assert [[m.collective.args[0].name for m in b] for b in plan] == [["x0", "x1", "x3", "x8"], ["x4", "x5", "x9"]]
+    assert bucketing.bucket_key(plan[0][0].collective)[:3] == ("all_gather", "0", 4)
+    assert str(gm.graph) == before  # planning is pure, and gives the same plan every time
+    assert [[m.collective for m in b] for b in bucketing.plan_buckets(gm.graph)] == [
+        [m.collective for m in b] for b in plan
+    ]
+
+    real = [torch.randn(s) for s in shapes]
+    expected = _SimulatedWorld(gm, 2, 4).run(*real)
+    assert bucketing.bucket_collectives(gm.graph) == 5
+    gm.recompile()
+    targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    assert targets.count(c10d.all_gather_into_tensor.default) == 2  # the merged one and group "1"
+    assert targets.count(c10d.reduce_scatter_tensor.default) == 3  # the merged one, group "2", max
+    got = _SimulatedWorld(gm, 2, 4).run(*real)
+    for o, e in zip(got, expected):
+        assert o.shape == e.shape and o.is_contiguous() and torch.equal(o, e)
+
+
+def test_non_contiguous_and_mismatched_dim_0_are_left_alone():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    c10d = torch.ops._c10d_functional
+    g = torch.fx.Graph()
+    x, y = g.placeholder("x"), g.placeholder("y")
+    ag = g.call_function(c10d.all_gather_into_tensor.default, (x, 4, "0"))
+    rs = g.call_function(c10d.reduce_scatter_tensor.default, (y, "sum", 4, "0"))
+    g.output((g.call_function(c10d.wait_tensor.default, (ag,)), g.call_function(c10d.wait_tensor.default, (rs,))))
+    with FakeTensorMode():
+        x.meta["val"] = torch.empty(4, 6).t()  # not contiguous
+        ag.meta["val"] = torch.empty(24, 4)
+        y.meta["val"] = torch.empty(8, 3)
+        rs.meta["val"] = torch.empty(8, 3)  # not dim-0 scatter semantics
+    assert bucketing.bucket_key(ag) is None and bucketing.bucket_key(rs) is None
+    with FakeTensorMode():
+        x.meta["val"] = torch.empty(6, 4)
+        rs.meta["val"] = torch.empty(2, 3)
+    assert bucketing.bucket_key(ag) == ("all_gather", "0", 4, torch.float32)
+    assert bucketing.bucket_key(rs) == ("reduce_scatter", "0", 4, "sum", torch.float32)

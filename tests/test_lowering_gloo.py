@@ -136,3 +136,54 @@ def test_32_gradient_all_reduces_bucket_into_one_on_4_ranks():
         assert res["exact"]["all_reduce_calls"] <= 2, f"rank {rank}: {res['exact']}"
         assert res["exact"]["bitwise_equal"], f"rank {rank}: bucketed results differ from eager: {res['exact']}"
         assert res["random"]["max_err"] <= 1e-6, f"rank {rank}: {res['random']}"
+
+
+# ---- fusion 2: FSDP-style all-gathers and reduce-scatters ------------------------------------
+def _fsdp_tensors(rank: int, world_size: int, n: int = 16) -> list[torch.Tensor]:
+    """``n`` parameter shards (256 B .. 16 KiB) then ``n`` unsharded gradients (dim 0 a multiple of the world size)."""
+    g = torch.Generator().manual_seed(rank)
+    shards, grads = [], []
+    for i in range(n):
+        numel = int(64 * 64 ** (i / (n - 1))) // 16 * 16
+        shards.append(torch.round(torch.randn(numel, generator=g) * 64) / 64)  # dyadic: exact in any order
+        rows = world_size * (1 + i)
+        grads.append(torch.round(torch.randn(rows, 3 + i % 4, generator=g) * 64) / 64)
+    shards = [s.reshape(-1, 4) if i % 3 == 1 else s for i, s in enumerate(shards)]
+    return shards + grads
+
+
+def _fsdp_collectives(*ts):
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+
+    n = len(ts) // 2
+    gathered = [funcol.all_gather_tensor(s, 0, dist.group.WORLD) for s in ts[:n]]
+    scattered = [funcol.reduce_scatter_tensor(g * 0.25, "sum", 0, dist.group.WORLD) for g in ts[n:]]
+    return gathered + scattered
+
+
+def _fsdp_bucketing_rank(rank: int, world_size: int) -> dict[str, Any]:
+    import warnings
+
+    from torch._inductor.utils import run_and_get_code
+
+    warnings.filterwarnings("ignore", category=FutureWarning)  # all_gather_tensor's rename notice
+    ts = _fsdp_tensors(rank, world_size)
+    eager = [t.wait() if hasattr(t, "wait") else t for t in _fsdp_collectives(*ts)]
+    torch._dynamo.reset()
+    compiled, code = run_and_get_code(torch.compile(_fsdp_collectives, backend="inductor"), *ts)
+    code = "\n".join(code)
+    call = code[code.index("def call") :]
+    return {
+        "all_gather_calls": len(re.findall(r"_c10d_functional\.all_gather_into_tensor(?:_out)?\.default\(", call)),
+        "reduce_scatter_calls": len(re.findall(r"_c10d_functional\.reduce_scatter_tensor(?:_out)?\.default\(", call)),
+        "shapes_match": all(c.shape == e.shape for c, e in zip(compiled, eager)),
+        "bitwise_equal": all(torch.equal(c, e) for c, e in zip(compiled, eager)),
+    }
+
+
+def test_fsdp_all_gathers_and_reduce_scatters_bucket_on_4_ranks():
+    results = run_on_ranks(_fsdp_bucketing_rank, nproc=4)
+    for rank, res in enumerate(results):
+        assert res["all_gather_calls"] <= 2 and res["reduce_scatter_calls"] <= 2, f"rank {rank}: {res}"
+        assert res["shapes_match"] and res["bitwise_equal"], f"rank {rank}: bucketed results differ from eager: {res}"

@@ -1,20 +1,41 @@
-"""Fusion 2: merge independent small all-reduces into one.
+"""Fusion 2: merge independent small collectives (all-reduce, all-gather, reduce-scatter) into one per bucket.
 
 NOTE [all-reduce bucketing order]
 Every rank compiles the same graph and this pass is a pure function of it, so
 buckets, and the position of each merged collective, are the same on every rank.
 Candidates are visited in graph order; a candidate joins the open bucket of its
-key (group, reduce op, dtype) only if it comes before the first use of any
-result already in the bucket.  The merged collective then sits where the last
-member's collective was: every member's input exists there, and no member's
-result is read before it.  Collectives are never moved earlier, and no two
-buckets swap order.
+key (kind, group, reduce op, dtype; group size for all-gather / reduce-scatter)
+only if it comes before the first use of any result already in the bucket.  The
+merged collective then sits where the last member's collective was: every
+member's input exists there, and no member's result is read before it.
+Collectives are never moved earlier, and buckets are issued in the order of
+their last members, the same on every rank.
 
-The merged collective reads one flat buffer built by ``cat`` of the flattened
+The merged all-reduce reads one flat buffer built by ``cat`` of the flattened
 inputs, which Inductor lowers to a single pack kernel with the inputs' pointwise
 producers (a scale, a cast) computed straight into their slice; the results are
 ``view``s of slices of the reduced buffer, so unpacking costs no kernel at all
 (Inductor emits ``reinterpret_tensor``).
+
+NOTE [all-gather / reduce-scatter buckets]
+Only dim-0 (FSDP-style) calls on static, contiguous tensors join: an all-gather
+whose output is ``(W * s0, *rest)`` for an input ``(s0, *rest)``, a reduce-scatter
+whose output is ``(s0 // W, *rest)`` with ``W`` dividing ``s0``.  Anything else is
+left alone.  Sizes (small threshold, bucket cap) count the unsharded side.
+
+* All-gather of ``x_1 .. x_n`` (``n_i`` elements, ``N = sum n_i``): pack the flat
+  inputs into one ``(N,)`` buffer (one ``cat``, one pack kernel), gather it into
+  ``(W * N,)``, i.e. a ``(W, N)`` matrix whose row ``r`` is rank ``r``'s packed
+  buffer.  Output ``i`` is column block ``[:, off_i : off_i + n_i]`` made
+  contiguous: rank 0's slice, then rank 1's, ..., which is exactly what a lone
+  all-gather returns.  That re-assembly is a copy; the blocks are written by one
+  ``cat`` into one ``(W * N,)`` buffer (one unpack kernel), and each output is a
+  ``view`` of its contiguous ``W * n_i`` slice.
+* Reduce-scatter of ``y_1 .. y_n`` (``W * c_i`` elements): rank ``r`` receives chunk
+  ``r`` of the packed input, so the packed input is ``cat([y_i.view(W, c_i)], dim=1)``
+  (one pack kernel): row ``r`` holds every tensor's ``r``-th chunk, in member
+  order.  The ``(C,)`` result (``C = sum c_i``) is then sliced and ``view``ed per
+  member, with no unpack kernel.
 """
 
 from __future__ import annotations
@@ -33,13 +54,22 @@ from .options import options
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
 
+ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER = "all_reduce", "all_gather", "reduce_scatter"
+
 
 @dataclasses.dataclass
 class _Member:
-    all_reduce: torch.fx.Node
+    collective: torch.fx.Node
     wait: torch.fx.Node
     numel: int
+    """Elements of the collective's input."""
     shape: tuple[int, ...]
+    """Shape of the collective's result (what the wait's users see)."""
+
+    @property
+    def all_reduce(self) -> torch.fx.Node:
+        """The collective (the name from when only all-reduces were bucketed)."""
+        return self.collective
 
 
 @dataclasses.dataclass
@@ -54,36 +84,97 @@ def _val(node: Any) -> Any:
     return node.meta.get("val") if isinstance(node, torch.fx.Node) else None
 
 
-def bucket_key(all_reduce: torch.fx.Node) -> tuple[str, str, torch.dtype] | None:
-    """``(group, reduce op, dtype)`` of a bucketable all-reduce, None when it is not one."""
-    if all_reduce.op != "call_function" or all_reduce.target is not c10d.all_reduce.default:
+def _static_contiguous(val: Any) -> bool:
+    return (
+        isinstance(val, torch.Tensor)
+        and all(isinstance(s, int) for s in val.shape)
+        and all(isinstance(s, int) for s in val.stride())
+        and val.is_contiguous()
+    )
+
+
+def _candidate(node: torch.fx.Node) -> tuple[tuple[Any, ...], int] | None:
+    """``(bucket key, bytes counted against the limits)`` of a bucketable collective, or None.
+
+    The predicate of the pass: a collective whose only user is its ``wait_tensor``,
+    whose input and result are static and contiguous, and (all-gather,
+    reduce-scatter) whose shapes follow the dim-0 rule of NOTE [all-gather /
+    reduce-scatter buckets].  Anything it does not recognise is left alone.
+    """
+    if node.op != "call_function" or node.kwargs:
         return None
-    if len(all_reduce.users) != 1:
+    target = node.target
+    if target is c10d.all_reduce.default:
+        if not options.bucket_all_reduces or len(node.args) != 3:
+            return None
+        kind = ALL_REDUCE
+    elif target is c10d.all_gather_into_tensor.default:
+        if not options.bucket_all_gathers_reduce_scatters or len(node.args) != 3:
+            return None
+        kind = ALL_GATHER
+    elif target is c10d.reduce_scatter_tensor.default:
+        if not options.bucket_all_gathers_reduce_scatters or len(node.args) != 4:
+            return None
+        kind = REDUCE_SCATTER
+    else:
         return None
-    wait = next(iter(all_reduce.users))
+    if len(node.users) != 1:
+        return None
+    wait = next(iter(node.users))
     if wait.target is not c10d.wait_tensor.default or not wait.users:
         return None
-    val = _val(all_reduce.args[0])
-    if not isinstance(val, torch.Tensor) or not all(isinstance(s, int) for s in val.shape):
+    val, out = _val(node.args[0]), _val(node)
+    if not _static_contiguous(val) or not _static_contiguous(out) or out.dtype != val.dtype or val.numel() == 0:
         return None
-    if not val.is_contiguous() or val.numel() * val.element_size() > options.bucket_small_bytes:
+    nbytes = val.numel() * val.element_size()
+    if kind == ALL_REDUCE:
+        if tuple(out.shape) != tuple(val.shape):
+            return None
+        key: tuple[Any, ...] = (kind, str(node.args[2]), str(node.args[1]), val.dtype)
+    else:
+        size = node.args[1] if kind == ALL_GATHER else node.args[2]
+        if not isinstance(size, int) or isinstance(size, bool) or size < 1 or val.dim() < 1:
+            return None
+        s0, rest = val.shape[0], tuple(val.shape[1:])
+        if kind == ALL_GATHER:
+            expected = (size * s0, *rest)
+            nbytes *= size
+            key = (kind, str(node.args[2]), size, val.dtype)
+        else:
+            if s0 % size:
+                return None
+            expected = (s0 // size, *rest)
+            key = (kind, str(node.args[3]), size, str(node.args[1]), val.dtype)
+        if tuple(out.shape) != expected:
+            return None
+    if nbytes > options.bucket_small_bytes:
         return None
-    return (str(all_reduce.args[2]), str(all_reduce.args[1]), val.dtype)
+    return key, nbytes
+
+
+def bucket_key(node: torch.fx.Node) -> tuple[Any, ...] | None:
+    """The bucket key of a bucketable collective, None when it is not one.
+
+    All-reduce: ``("all_reduce", group, reduce op, dtype)``; all-gather:
+    ``("all_gather", group, group size, dtype)``; reduce-scatter:
+    ``("reduce_scatter", group, group size, reduce op, dtype)``.
+    """
+    found = _candidate(node)
+    return None if found is None else found[0]
 
 
 def plan_buckets(graph: torch.fx.Graph) -> list[list[_Member]]:
-    """Buckets of two or more all-reduces, in graph order (NOTE [all-reduce bucketing order])."""
+    """Buckets of two or more collectives, in graph order (NOTE [all-reduce bucketing order])."""
     pos = {n: i for i, n in enumerate(graph.nodes)}
     open_buckets: dict[tuple[Any, ...], _Bucket] = {}
     done: list[_Bucket] = []
     for node in graph.nodes:
-        key = bucket_key(node)
-        if key is None:
+        found = _candidate(node)
+        if found is None:
             continue
+        key, nbytes = found
         wait = next(iter(node.users))
-        val = _val(node.args[0])
-        member = _Member(node, wait, val.numel(), tuple(val.shape))
-        nbytes = val.numel() * val.element_size()
+        member = _Member(node, wait, _val(node.args[0]).numel(), tuple(_val(node).shape))
         first_use = min(pos[u] for u in wait.users)
         bucket = open_buckets.get(key)
         if bucket is not None and pos[node] < bucket.first_use and bucket.nbytes + nbytes <= options.bucket_cap_bytes:
@@ -95,7 +186,7 @@ def plan_buckets(graph: torch.fx.Graph) -> list[list[_Member]]:
             done.append(bucket)
         open_buckets[key] = _Bucket(key, [member], first_use, nbytes)
     done.extend(open_buckets.values())
-    ordered = sorted(done, key=lambda b: pos[b.members[0].all_reduce])
+    ordered = sorted(done, key=lambda b: pos[b.members[0].collective])
     return [b.members for b in ordered if len(b.members) > 1]
 
 
@@ -111,31 +202,91 @@ def _call(graph: torch.fx.Graph, target: Any, args: tuple[Any, ...], origin: tor
     return node
 
 
-def merge_bucket(graph: torch.fx.Graph, members: list[_Member]) -> torch.fx.Node:
-    """Replace the members by pack -> one all-reduce -> wait -> views; return the new all-reduce."""
-    last = members[-1].all_reduce
+def _replace(graph: torch.fx.Graph, m: _Member, flat: torch.fx.Node, start: int, stop: int) -> None:
+    """Point ``m``'s result users at ``flat[start:stop]`` viewed as ``m.shape``."""
+    piece = _call(graph, aten.slice.Tensor, (flat, 0, start, stop), m.wait)
+    out = _call(graph, aten.view.default, (piece, list(m.shape)), m.wait)
+    m.wait.replace_all_uses_with(out)
+
+
+def _merge_all_reduce(graph: torch.fx.Graph, members: list[_Member]) -> torch.fx.Node:
+    last = members[-1].collective
     _, reduce_op, group_name = last.args
-    with graph.inserting_before(last):
-        flats = [_call(graph, aten.view.default, (m.all_reduce.args[0], [m.numel]), m.all_reduce) for m in members]
-        packed = _call(graph, aten.cat.default, (flats, 0), last)
-        merged = _call(graph, c10d.all_reduce.default, (packed, reduce_op, group_name), last)
-        reduced = _call(graph, c10d.wait_tensor.default, (merged,), last)
-        offset = 0
-        for m in members:
-            piece = _call(graph, aten.slice.Tensor, (reduced, 0, offset, offset + m.numel), m.wait)
-            out = _call(graph, aten.view.default, (piece, list(m.shape)), m.wait)
-            m.wait.replace_all_uses_with(out)
-            offset += m.numel
+    flats = [_call(graph, aten.view.default, (m.collective.args[0], [m.numel]), m.collective) for m in members]
+    packed = _call(graph, aten.cat.default, (flats, 0), last)
+    merged = _call(graph, c10d.all_reduce.default, (packed, reduce_op, group_name), last)
+    reduced = _call(graph, c10d.wait_tensor.default, (merged,), last)
+    offset = 0
     for m in members:
-        graph.erase_node(m.wait)
-        graph.erase_node(m.all_reduce)
+        _replace(graph, m, reduced, offset, offset + m.numel)
+        offset += m.numel
     return merged
 
 
-def bucket_all_reduces(graph: torch.fx.Graph) -> int:
+def _merge_all_gather(graph: torch.fx.Graph, members: list[_Member]) -> torch.fx.Node:
+    """NOTE [all-gather / reduce-scatter buckets]: pack, gather, re-assemble rank order."""
+    last = members[-1].collective
+    _, size, group_name = last.args
+    total = sum(m.numel for m in members)
+    flats = [_call(graph, aten.view.default, (m.collective.args[0], [m.numel]), m.collective) for m in members]
+    packed = _call(graph, aten.cat.default, (flats, 0), last)
+    merged = _call(graph, c10d.all_gather_into_tensor.default, (packed, size, group_name), last)
+    gathered = _call(graph, c10d.wait_tensor.default, (merged,), last)
+    rows = _call(graph, aten.view.default, (gathered, [size, total]), last)  # row r: rank r's packed buffer
+    blocks = []
+    offset = 0
+    for m in members:
+        block = _call(graph, aten.slice.Tensor, (rows, 1, offset, offset + m.numel), m.wait)
+        block = _call(graph, aten.clone.default, (block,), m.wait)  # (W, n_i), now contiguous
+        blocks.append(_call(graph, aten.view.default, (block, [size * m.numel]), m.wait))
+        offset += m.numel
+    unpacked = _call(graph, aten.cat.default, (blocks, 0), last)
+    offset = 0
+    for m in members:
+        _replace(graph, m, unpacked, offset, offset + size * m.numel)
+        offset += size * m.numel
+    return merged
+
+
+def _merge_reduce_scatter(graph: torch.fx.Graph, members: list[_Member]) -> torch.fx.Node:
+    """NOTE [all-gather / reduce-scatter buckets]: rank r's chunk holds every member's r-th chunk."""
+    last = members[-1].collective
+    _, reduce_op, size, group_name = last.args
+    chunks = [m.numel // size for m in members]
+    blocks = [
+        _call(graph, aten.view.default, (m.collective.args[0], [size, c]), m.collective)
+        for m, c in zip(members, chunks)
+    ]
+    packed = _call(graph, aten.cat.default, (blocks, 1), last)  # (W, C)
+    flat = _call(graph, aten.view.default, (packed, [size * sum(chunks)]), last)
+    merged = _call(graph, c10d.reduce_scatter_tensor.default, (flat, reduce_op, size, group_name), last)
+    reduced = _call(graph, c10d.wait_tensor.default, (merged,), last)
+    offset = 0
+    for m, c in zip(members, chunks):
+        _replace(graph, m, reduced, offset, offset + c)
+        offset += c
+    return merged
+
+
+_MERGERS = {
+    c10d.all_reduce.default: _merge_all_reduce,
+    c10d.all_gather_into_tensor.default: _merge_all_gather,
+    c10d.reduce_scatter_tensor.default: _merge_reduce_scatter,
+}
+
+
+def merge_bucket(graph: torch.fx.Graph, members: list[_Member]) -> torch.fx.Node:
+    """Replace the members by pack -> one collective -> wait -> unpack; return the new collective."""
+    with graph.inserting_before(members[-1].collective):
+        merged = _MERGERS[members[-1].collective.target](graph, members)
+    for m in members:
+        graph.erase_node(m.wait)
+        graph.erase_node(m.collective)
+    return merged
+
+
+def bucket_collectives(graph: torch.fx.Graph) -> int:
     """Merge every planned bucket; return the number of collectives removed."""
-    if not options.bucket_all_reduces:
-        return 0
     removed = 0
     for members in plan_buckets(graph):
         merge_bucket(graph, members)
@@ -145,11 +296,15 @@ def bucket_all_reduces(graph: torch.fx.Graph) -> int:
     return removed
 
 
+bucket_all_reduces = bucket_collectives
+"""The former name (the pass now buckets all-gathers and reduce-scatters too)."""
+
+
 class AllReduceBucketingPass(_compat.custom_graph_pass_base()):  # type: ignore[misc]
-    """Post-grad pass for fusion 2 (see NOTE [all-reduce bucketing order])."""
+    """Post-grad pass for fusion 2 (NOTE [all-reduce bucketing order], NOTE [all-gather / reduce-scatter buckets])."""
 
     def __call__(self, graph: torch.fx.Graph) -> None:
-        bucket_all_reduces(graph)
+        bucket_collectives(graph)
 
     def uuid(self) -> Any:
         return _compat.hash_for_files((__file__,), extra=options.cache_key())

@@ -20,11 +20,16 @@ class LoweringOptions:
     bucket_all_reduces: bool = True
     """Merge independent small all-reduces of one group, dtype and reduce op (fusion 2)."""
 
+    bucket_all_gathers_reduce_scatters: bool = True
+    """Merge independent small (FSDP-style, dim-0) all-gathers of one group and dtype, and
+    reduce-scatters of one group, dtype and reduce op (fusion 2)."""
+
     bucket_small_bytes: int = 1 << 20
-    """Only all-reduces of at most this many bytes join a bucket."""
+    """Only collectives of at most this many bytes join a bucket (all-gather, reduce-scatter:
+    the unsharded side, world size x shard)."""
 
     bucket_cap_bytes: int = 32 << 20
-    """A bucket closes before it would exceed this many bytes."""
+    """A bucket closes before it would exceed this many bytes (counted as for ``bucket_small_bytes``)."""
 
     row_fused_max_hidden: int = 1 << 16
     """Row-fused epilogue (sum recomputed per row) only when a row has at most this many elements."""
