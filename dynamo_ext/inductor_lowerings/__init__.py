@@ -7,8 +7,10 @@ post-grad passes after any the user set in
 
 1. :class:`~.rms_norm_fusion.ResidualRMSNormPass`: all-reduce + residual add +
    RMSNorm (NOTE [residual rms norm chain]);
-2. :class:`~.bucketing.AllReduceBucketingPass`: independent small all-reduces
-   merged into one (NOTE [all-reduce bucketing order]).
+2. :class:`~.bucketing.AllReduceBucketingPass`: independent small all-reduces,
+   and FSDP-style dim-0 all-gathers and reduce-scatters, merged per group,
+   dtype (and reduce op) into one collective each bucket (NOTE [all-reduce
+   bucketing order], NOTE [all-gather / reduce-scatter buckets]).
 
 Every change goes through ``patches`` so ``dynamo_ext.uninstall()`` undoes it.
 Thresholds and switches live in :data:`.options.options`.
