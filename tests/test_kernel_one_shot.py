@@ -103,29 +103,25 @@ def _nvidia_backend_available() -> bool:
     return True
 
 
-@pytest.mark.skipif(not _nvidia_backend_available(), reason="triton without its NVIDIA backend")
-def test_kernel_compiles_for_sm90_with_system_scope_acquire_release():
-    """No GPU needed: Triton compiles to PTX and cubin offline; the barrier must be sys-scope acquire/release."""
+def compile_for_sm90(kernel, world: int, *, int64_args: tuple[str, ...]):
+    """Compile a fused all-reduce + RMSNorm kernel for sm_90 offline (bf16 data, weight, bf16 mid cast).
+
+    ``int64_args`` are the kernel's address-table and offset arguments; the rest of
+    the signature is shared by the one- and two-shot kernels.
+    """
     import triton
+    import triton.language as tl
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from dynamo_ext.inductor_lowerings.kernels._one_shot_all_reduce_rms_norm_kernel import (
-        _one_shot_all_reduce_residual_rms_norm_kernel as kernel,
-    )
-
-    world = 4
     signature = {
-        **dict.fromkeys(("buffer_ptrs", "signal_pad_ptrs", "input_offset"), "i64"),
+        **dict.fromkeys(int64_args, "i64"),
         **dict.fromkeys(("residual_ptr", "weight_ptr", "sum_out_ptr", "norm_out_ptr"), "*bf16"),
         "rstd_out_ptr": "*fp32",
         **dict.fromkeys(("n_rows", "n_cols", "rank"), "i32"),
         "eps": "fp32",
         **dict.fromkeys(("WORLD_SIZE", "BLOCK_N", "HAS_WEIGHT", "MID_DTYPE", "PRODUCT_DTYPE"), "constexpr"),
     }
-    signature = {k: signature[k] for k in kernel.arg_names}
-    import triton.language as tl
-
     constexprs = {
         "WORLD_SIZE": world,
         "BLOCK_N": 4096,
@@ -133,11 +129,22 @@ def test_kernel_compiles_for_sm90_with_system_scope_acquire_release():
         "MID_DTYPE": tl.bfloat16,
         "PRODUCT_DTYPE": None,
     }
-    compiled = triton.compile(
-        ASTSource(fn=kernel, signature=signature, constexprs=constexprs),
+    return triton.compile(
+        ASTSource(fn=kernel, signature={k: signature[k] for k in kernel.arg_names}, constexprs=constexprs),
         target=GPUTarget("cuda", 90, 32),
         options={"num_warps": 16},
     )
+
+
+@pytest.mark.skipif(not _nvidia_backend_available(), reason="triton without its NVIDIA backend")
+def test_kernel_compiles_for_sm90_with_system_scope_acquire_release():
+    """No GPU needed: Triton compiles to PTX and cubin offline; the barrier must be sys-scope acquire/release."""
+    from dynamo_ext.inductor_lowerings.kernels._one_shot_all_reduce_rms_norm_kernel import (
+        _one_shot_all_reduce_residual_rms_norm_kernel as kernel,
+    )
+
+    world = 4
+    compiled = compile_for_sm90(kernel, world, int64_args=("buffer_ptrs", "signal_pad_ptrs", "input_offset"))
     ptx = compiled.asm["ptx"]
     assert "cubin" in compiled.asm
     assert ptx.count("atom.global.release.sys.cas.b32") == 2 * world  # raise each peer's slot, twice

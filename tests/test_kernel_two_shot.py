@@ -20,7 +20,13 @@ from typing import Any
 import pytest
 import torch
 from helpers import run_on_ranks
-from test_kernel_one_shot import EPS, _case_inputs, _nvidia_backend_available, one_rank_nccl_group  # noqa: F401
+from test_kernel_one_shot import (  # noqa: F401
+    EPS,
+    _case_inputs,
+    _nvidia_backend_available,
+    compile_for_sm90,
+    one_rank_nccl_group,
+)
 
 # (rows, cols, dtype, weight, upcast, mid_dtype, out_dtype)
 CASES = [
@@ -168,38 +174,14 @@ def test_fusion_pass_admits_two_shot_sizes(world, monkeypatch, lowering_options,
 @pytest.mark.skipif(not _nvidia_backend_available(), reason="triton without its NVIDIA backend")
 def test_kernel_compiles_for_sm90_with_system_scope_acquire_release():
     """No GPU needed: Triton compiles to PTX offline; three barriers, each sys-scope acquire/release."""
-    import triton
-    import triton.language as tl
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     from dynamo_ext.inductor_lowerings.kernels._two_shot_all_reduce_rms_norm_kernel import (
         _two_shot_all_reduce_residual_rms_norm_kernel as kernel,
     )
 
     world = 4
-    signature = {
-        **dict.fromkeys(("buffer_ptrs", "signal_pad_ptrs", "staging_ptrs"), "i64"),
-        **dict.fromkeys(("input_offset", "sum_stage_offset", "norm_stage_offset", "rstd_stage_offset"), "i64"),
-        **dict.fromkeys(("residual_ptr", "weight_ptr", "sum_out_ptr", "norm_out_ptr"), "*bf16"),
-        "rstd_out_ptr": "*fp32",
-        **dict.fromkeys(("n_rows", "n_cols", "rank"), "i32"),
-        "eps": "fp32",
-        **dict.fromkeys(("WORLD_SIZE", "BLOCK_N", "HAS_WEIGHT", "MID_DTYPE", "PRODUCT_DTYPE"), "constexpr"),
-    }
-    signature = {k: signature[k] for k in kernel.arg_names}
-    constexprs = {
-        "WORLD_SIZE": world,
-        "BLOCK_N": 4096,
-        "HAS_WEIGHT": True,
-        "MID_DTYPE": tl.bfloat16,
-        "PRODUCT_DTYPE": None,
-    }
-    compiled = triton.compile(
-        ASTSource(fn=kernel, signature=signature, constexprs=constexprs),
-        target=GPUTarget("cuda", 90, 32),
-        options={"num_warps": 16},
-    )
+    tables = ("buffer_ptrs", "signal_pad_ptrs", "staging_ptrs")
+    offsets = ("input_offset", "sum_stage_offset", "norm_stage_offset", "rstd_stage_offset")
+    compiled = compile_for_sm90(kernel, world, int64_args=tables + offsets)
     ptx = compiled.asm["ptx"]
     assert "cubin" in compiled.asm
     assert ptx.count("atom.global.release.sys.cas.b32") == 3 * world  # raise each peer's slot, three times

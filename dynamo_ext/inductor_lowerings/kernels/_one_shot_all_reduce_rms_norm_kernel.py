@@ -59,6 +59,50 @@ def _round(x, DTYPE: tl.constexpr):
 
 
 @triton.jit
+def _reduce_row_residual_rms_norm(
+    table,
+    input_offset,
+    offs,
+    mask,
+    residual_ptr,
+    w,
+    n_cols,
+    eps,
+    DTYPE: tl.constexpr,
+    OUT_DTYPE: tl.constexpr,
+    WORLD_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr,
+    MID_DTYPE: tl.constexpr,
+    PRODUCT_DTYPE: tl.constexpr,
+):
+    """One row, shared by the one- and two-shot kernels: ``(sum, normalized, rstd)``.
+
+    Sums the row at ``offs`` over every peer's buffer (``table``: int64 addresses)
+    in fp32, rounds once to ``DTYPE`` (the all-reduce result), adds the residual
+    (rounded once more, as aten does), then RMSNorm with the chain's casts
+    (``MID_DTYPE`` before the weight, ``PRODUCT_DTYPE`` after).  ``sum`` is
+    ``DTYPE``, ``normalized`` ``OUT_DTYPE``, ``rstd`` an fp32 scalar.
+    """
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for peer in tl.static_range(WORLD_SIZE):
+        peer_input = tl.load(table + peer).to(tl.pointer_type(DTYPE))
+        acc += tl.load(peer_input + input_offset + offs, mask=mask, other=0.0).to(tl.float32)
+    reduced = _round(acc, DTYPE)
+    res = tl.load(residual_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    h = _round(reduced + res, DTYPE)
+    rstd = tl.rsqrt(tl.sum(h * h, axis=0) / n_cols.to(tl.float32) + eps)
+    y = h * rstd
+    if MID_DTYPE is not None:
+        y = _round(y, MID_DTYPE)
+    if HAS_WEIGHT:
+        y = y * w
+        if PRODUCT_DTYPE is not None:
+            y = _round(y, PRODUCT_DTYPE)
+    return h.to(DTYPE), _round(y, OUT_DTYPE).to(OUT_DTYPE), rstd
+
+
+@triton.jit
 def _one_shot_all_reduce_residual_rms_norm_kernel(
     buffer_ptrs,
     signal_pad_ptrs,
@@ -92,32 +136,22 @@ def _one_shot_all_reduce_residual_rms_norm_kernel(
     n_programs = tl.num_programs(0)
     dtype: tl.constexpr = residual_ptr.dtype.element_ty
     out_dtype: tl.constexpr = norm_out_ptr.dtype.element_ty
-    cols = tl.arange(0, BLOCK_N)
+    cols = tl.arange(0, BLOCK_N).to(tl.int64)
+    n_cols = tl.cast(n_cols, tl.int64)  # tl.cast: also takes a constexpr (Triton specializes 1)
     mask = cols < n_cols
     eps = tl.cast(eps, tl.float32)  # a Python float under the interpreter, fp32 when compiled
     table = buffer_ptrs.to(tl.pointer_type(tl.int64))
 
     _blockwise_barrier(signal_pad_ptrs, pid, rank, WORLD_SIZE)
-    if HAS_WEIGHT:
-        w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    # Without HAS_WEIGHT, weight_ptr is the residual: a valid read whose value is never used.
+    w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     for row in range(pid, n_rows, n_programs):
         offs = row * n_cols + cols
-        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-        for peer in tl.static_range(WORLD_SIZE):
-            peer_input = tl.load(table + peer).to(tl.pointer_type(dtype))
-            acc += tl.load(peer_input + input_offset + offs, mask=mask, other=0.0).to(tl.float32)
-        reduced = _round(acc, dtype)
-        res = tl.load(residual_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        h = _round(reduced + res, dtype)
-        tl.store(sum_out_ptr + offs, h.to(dtype), mask=mask)
-        rstd = tl.rsqrt(tl.sum(h * h, axis=0) / n_cols + eps)
+        h, y, rstd = _reduce_row_residual_rms_norm(
+            table, input_offset, offs, mask, residual_ptr, w, n_cols, eps,
+            dtype, out_dtype, WORLD_SIZE, BLOCK_N, HAS_WEIGHT, MID_DTYPE, PRODUCT_DTYPE,
+        )  # fmt: skip
+        tl.store(sum_out_ptr + offs, h, mask=mask)
         tl.store(rstd_out_ptr + row, rstd)
-        y = h * rstd
-        if MID_DTYPE is not None:
-            y = _round(y, MID_DTYPE)
-        if HAS_WEIGHT:
-            y = y * w
-            if PRODUCT_DTYPE is not None:
-                y = _round(y, PRODUCT_DTYPE)
-        tl.store(norm_out_ptr + offs, _round(y, out_dtype).to(out_dtype), mask=mask)
+        tl.store(norm_out_ptr + offs, y, mask=mask)
     _blockwise_barrier(signal_pad_ptrs, pid, rank, WORLD_SIZE)

@@ -35,7 +35,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._one_shot_all_reduce_rms_norm_kernel import _blockwise_barrier, _round
+from ._one_shot_all_reduce_rms_norm_kernel import _blockwise_barrier, _reduce_row_residual_rms_norm
 
 
 @triton.jit
@@ -105,29 +105,17 @@ def _two_shot_all_reduce_residual_rms_norm_kernel(
 
     # 1-2. reduce-scatter this rank's rows, with the residual add and the norm
     _blockwise_barrier(signal_pad_ptrs, pid, rank, WORLD_SIZE)
-    if HAS_WEIGHT:
-        w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    # Without HAS_WEIGHT, weight_ptr is the residual: a valid read whose value is never used.
+    w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     start, end = _slice_bounds(rank, n_rows, WORLD_SIZE)
     for row in range(start + pid, end, n_programs):
         offs = row * n_cols + cols
-        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-        for peer in tl.static_range(WORLD_SIZE):
-            peer_input = tl.load(table + peer).to(tl.pointer_type(dtype))
-            acc += tl.load(peer_input + input_offset + offs, mask=mask, other=0.0).to(tl.float32)
-        reduced = _round(acc, dtype)
-        res = tl.load(residual_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        h = _round(reduced + res, dtype)
-        rstd = tl.rsqrt(tl.sum(h * h, axis=0) / n_cols.to(tl.float32) + eps)
-        y = h * rstd
-        if MID_DTYPE is not None:
-            y = _round(y, MID_DTYPE)
-        if HAS_WEIGHT:
-            y = y * w
-            if PRODUCT_DTYPE is not None:
-                y = _round(y, PRODUCT_DTYPE)
-        y = _round(y, out_dtype).to(out_dtype)
-        tl.store(sum_out_ptr + offs, h.to(dtype), mask=mask)
-        tl.store(sum_stage + offs, h.to(dtype), mask=mask)
+        h, y, rstd = _reduce_row_residual_rms_norm(
+            table, input_offset, offs, mask, residual_ptr, w, n_cols, eps,
+            dtype, out_dtype, WORLD_SIZE, BLOCK_N, HAS_WEIGHT, MID_DTYPE, PRODUCT_DTYPE,
+        )  # fmt: skip
+        tl.store(sum_out_ptr + offs, h, mask=mask)
+        tl.store(sum_stage + offs, h, mask=mask)
         tl.store(norm_out_ptr + offs, y, mask=mask)
         tl.store(norm_stage + offs, y, mask=mask)
         tl.store(rstd_out_ptr + row, rstd)
