@@ -121,3 +121,30 @@ def optional_attr(module: str, name: str) -> Any:
         return getattr(importlib.import_module(module), name)
     except (ImportError, AttributeError):
         return None
+
+
+# ---- FSDP2 internals ---------------------------------------------------------
+_FSDP = "torch.distributed.fsdp._fully_shard"
+
+
+def fsdp_gradient_divide_factors(group: Any, reduce_dtype: Any, factor: Any, force_sum: bool) -> tuple[Any, Any, Any]:
+    """(predivide factor, postdivide factor, reduce-scatter op) eager FSDP2 uses for a 1-D shard group.
+
+    FSDP2's own ``_get_gradient_divide_factors`` (``_fsdp_collectives.py``):
+    ``(rs_group, ar_group, reduce_dtype, device_type, factor, force_sum)`` on
+    2.13+; releases without ``force_sum_reduction_for_comms`` take one argument less.
+    """
+    fn = optional_attr(f"{_FSDP}._fsdp_collectives", "_get_gradient_divide_factors")
+    if fn is None:
+        raise NotImplementedError("this torch release has no FSDP2 _get_gradient_divide_factors")
+    try:
+        pre, post, rs_op, _ = fn(group, None, reduce_dtype, "", factor, force_sum)
+    except TypeError:
+        pre, post, rs_op, _ = fn(group, None, reduce_dtype, "", factor)
+    return pre, post, rs_op
+
+
+def fsdp_mesh_info_kinds() -> tuple[Any, Any]:
+    """(``FSDPMeshInfo``, ``DDPMeshInfo``) classes, ``None`` where absent (HSDP meshes are both)."""
+    common = f"{_FSDP}._fsdp_common"
+    return optional_attr(common, "FSDPMeshInfo"), optional_attr(common, "DDPMeshInfo")

@@ -65,6 +65,16 @@ FSDP_LAYOUT = GraphBreakType(
     "(plain, or FSDP over TP); this module's parameters are laid out otherwise.",
     ("Use fully_shard's default shard placement, or compile the inner blocks only.",),
 )
+FSDP_UNTRACED = GraphBreakType(
+    "dynamo_ext: FSDP2 setting not traced",
+    "dynamo-ext traces FSDP2's gradient reduction (reduce-scatter, divide factor, reduce dtype) "
+    "into the graph only where eager FSDP2 reduces gradients that way; with this setting FSDP2's "
+    "own hooks run eagerly instead, so gradients are exactly eager's.",
+    (
+        "Compile the inner blocks only, or drop the setting named in the context while compiling.",
+        "Do not use compiled autograd for this backward: FSDP2's eager hooks do not run under it.",
+    ),
+)
 P2P_UNAVAILABLE = GraphBreakType(
     "dynamo_ext: point-to-point ops unavailable",
     "This torch release has no functional point-to-point collectives to trace isend/irecv/batch_isend_irecv into.",

@@ -40,11 +40,15 @@ class GuardSpec:
         extract: ``value -> meta``; must not raise for any Python object
             (return a record that differs from every valid one instead).
         describe: ``(expected_meta, actual_meta) -> str | None``.
+        identity_fast_path: pass at once when the value is the very object
+            traced with; off for objects whose guarded settings can change in
+            place (an FSDP2 state).
     """
 
     kind: str
     extract: Callable[[Any], Any]
     describe: Callable[[Any, Any], str | None]
+    identity_fast_path: bool = True
 
 
 def marker(key: str) -> str:
@@ -60,8 +64,10 @@ def make_checker(spec: GuardSpec, obj: Any, key: str, label: str = "") -> Callab
     prefix = f"{label}: " if label else ""
     meta = spec.extract(obj)
 
+    fast = spec.identity_fast_path
+
     def check(value: Any) -> bool:
-        if value is obj:
+        if fast and value is obj:
             return True
         actual = spec.extract(value)
         if actual == meta:

@@ -22,38 +22,59 @@ reduce-scatter through FSDP's own post-backward) are not traced here.
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 from typing import Any
 
 from .. import _compat, graph_breaks
-from .functions import register_polyfill
+from ..guards.spec import GuardSpec, install_spec_guard
+from . import fsdp_reduce
+from .base import wrap_constant
+from .functions import register_handler, register_polyfill
+
+log = logging.getLogger(__name__)
 
 
-def _all_gather_autograd() -> Any:
-    import torch.distributed._functional_collectives as funcol
+def gather_with_fsdp_backward(param_group: Any, fsdp_param: Any, local: Any) -> Any:
+    """All-gather ``local`` over ``fsdp_param``'s shard group; backward: FSDP2's reduction.
 
-    # all_gather_tensor_autograd: backward is a reduce-scatter (sum).
-    return getattr(funcol, "all_gather_tensor_autograd", funcol.all_gather_tensor)
+    Traced by :func:`_gather_handler` (``fsdp_reduce.gather`` with the
+    reduction planned at trace time); never called eagerly.
+    """
+    raise RuntimeError("gather_with_fsdp_backward is only meaningful inside a graph traced by dynamo-ext")
 
 
-def unshard_param(fsdp_param: Any) -> Any:
+def _gather_handler(tx: Any, args: list[Any], kwargs: dict[str, Any]) -> Any:
+    param_group, fsdp_param = (getattr(a, "value", None) for a in args[:2])
+    if fsdp_param is None or param_group is None:
+        graph_breaks.graph_break(graph_breaks.FSDP_UNTRACED, "FSDPParam not known at trace time")
+    reduction = fsdp_reduce.plan(fsdp_param, param_group)
+    log.debug("FSDP2 %s: gradient reduction %s", fsdp_param._module_info.param_name, reduction)
+    const = [wrap_constant(tx, getattr(reduction, f.name)) for f in dataclasses.fields(reduction)]
+    return _compat.user_function_variable(_gather_impl).call_function(tx, [args[2], *const], {})
+
+
+def _gather_impl(local: Any, *fields: Any) -> Any:
+    return fsdp_reduce.gather(local, fsdp_reduce.GradReduction(*fields))
+
+
+def unshard_param(param_group: Any, fsdp_param: Any) -> Any:
     """The unsharded parameter of one ``FSDPParam``: ``orig_size``, ``param_dtype`` or its own dtype.
 
     Gathers ``sharded_param``'s local tensor (shape ``[ceil(d0 / W), ...]`` after
     padding, W = shard world size) along dim 0 over the shard group, then keeps
-    the first ``orig_size[0]`` rows.
+    the first ``orig_size[0]`` rows.  Its gradient is reduced as eager FSDP2
+    reduces it (NOTE [FSDP2 gradients in traced graphs]).
     """
     import torch
     import torch.nn.functional as F  # noqa: N812
 
     local = fsdp_param.sharded_param.to_local()
-    if fsdp_param.param_dtype is not None:
-        local = local.to(fsdp_param.param_dtype)
     padded_rows = fsdp_param.padded_sharded_param_size[0]
     if local.size(0) < padded_rows:
         pad = [0, 0] * (local.dim() - 1) + [0, padded_rows - local.size(0)]
         local = F.pad(local, pad)
-    group = fsdp_param.mesh_info.shard_process_group
-    full = _all_gather_autograd()(local.contiguous(), 0, group)
+    full = gather_with_fsdp_backward(param_group, fsdp_param, local)
     size = fsdp_param._orig_size
     full = torch.narrow(full, 0, 0, size[0]).reshape(size)
     if fsdp_param.is_dtensor:
@@ -99,7 +120,7 @@ def pre_forward(state: Any, module: Any, args: Any, kwargs: Any) -> Any:
         args, kwargs = _cast_floats((args, kwargs), policy.param_dtype)
     for group in param_groups(state):
         for fsdp_param in group.fsdp_params:
-            _set_param(fsdp_param, unshard_param(fsdp_param))
+            _set_param(fsdp_param, unshard_param(group, fsdp_param))
     return args, kwargs
 
 
@@ -121,8 +142,65 @@ def _cast_floats(tree: Any, dtype: Any) -> Any:
     return tree_map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, tree)
 
 
+def untraced_reasons(state: Any) -> list[str]:
+    """Why FSDP2's eager reduction of ``state``'s gradients is not the traced one; empty when it is.
+
+    The traced backward (NOTE [FSDP2 gradients in traced graphs]) reduce-scatters
+    every gradient at once over the shard group.  Eager FSDP2 does something
+    else when gradient sync is off (it accumulates unsharded gradients), for
+    HSDP (an extra all-reduce), with a user all-reduce hook, custom
+    collectives, CPU offload, or zero gradients for unused parameters.
+    """
+    _, ddp_mesh_info = _compat.fsdp_mesh_info_kinds()
+    reasons = []
+    for group in param_groups(state):
+        checks = {
+            "gradient sync is off (set_requires_gradient_sync(False))": not getattr(group, "reduce_grads", True),
+            "HSDP (a replicate mesh axis)": ddp_mesh_info is not None and isinstance(group.mesh_info, ddp_mesh_info),
+            "an all-reduce hook (set_all_reduce_hook)": getattr(group, "_all_reduce_hook", None) is not None,
+            "custom collectives (set_custom_all_gather / set_custom_reduce_scatter)": any(
+                type(getattr(group, a, None)).__name__ not in ("DefaultAllGather", "DefaultReduceScatter", "NoneType")
+                for a in ("_all_gather_comm", "_reduce_scatter_comm")
+            ),
+            "CPU offload (OffloadPolicy)": any(p.offload_to_cpu for p in group.fsdp_params),
+            "set_reduce_scatter_unused_params(True)": getattr(group, "reduce_scatter_unused_params", False),
+        }
+        reasons += [r for r, hit in checks.items() if hit and r not in reasons]
+    return reasons
+
+
+def config_record(state: Any) -> tuple[Any, ...]:
+    """What the traced hooks of ``state`` depend on beyond its parameters (for its guard)."""
+    policy = getattr(state, "_mp_policy", None)
+    groups = []
+    for group in param_groups(state):
+        groups.append(
+            (
+                len(group.fsdp_params),
+                getattr(group, "gradient_divide_factor", None),
+                getattr(group, "force_sum_reduction_for_comms", False),
+                group.post_forward_mesh_info is not None,
+                tuple((p.param_dtype, p.reduce_dtype) for p in group.fsdp_params),
+            )
+        )
+    return (tuple(untraced_reasons(state)), repr(policy), tuple(groups))
+
+
+CONFIG_FIELDS = ("untraced configuration", "mixed precision policy", "param groups")
+
+
+def describe_config(old: tuple[Any, ...], new: tuple[Any, ...]) -> str | None:
+    """The FSDP2 settings that changed between two :func:`config_record` results, in words."""
+    diffs = [f"FSDP2 {f} changed: {a!r} -> {b!r}" for f, a, b in zip(CONFIG_FIELDS, old, new) if a != b]
+    return "; ".join(diffs) or None
+
+
+# Mutable settings: no identity fast path (the state object stays, its settings change).
+CONFIG_GUARD = GuardSpec("FSDP2 settings", config_record, describe_config, identity_fast_path=False)
+
+
 def _check_state(tx: Any, args: list[Any], kwargs: dict[str, Any]) -> None:
-    """Lazy-init the real FSDP state at trace time; refuse layouts we do not gather."""
+    """Lazy-init the real FSDP state at trace time; refuse layouts and settings we do not trace."""
     state = getattr(args[0], "value", None)
     if state is None:
         graph_breaks.graph_break(
@@ -130,6 +208,15 @@ def _check_state(tx: Any, args: list[Any], kwargs: dict[str, Any]) -> None:
         )
     if getattr(state, "_is_root", False) is None:
         state._lazy_init()
+    install_spec_guard(args[0].source, CONFIG_GUARD)
+    # One decision for the whole FSDP tree: traced hooks and eager FSDP2 hooks
+    # do not mix within one backward (the eager root would not queue its callback).
+    states = getattr(getattr(state, "_state_ctx", None), "all_states", None) or [state]
+    for other in states:
+        reasons = untraced_reasons(other)
+        if reasons:
+            log.info("FSDP2 hooks run eagerly (graph break): %s", "; ".join(reasons))
+            graph_breaks.graph_break(graph_breaks.FSDP_UNTRACED, "; ".join(reasons))
     for group in param_groups(state):
         for p in group.fsdp_params:
             spmd = getattr(p.mesh_info, "is_spmd_mesh", False)
@@ -149,5 +236,6 @@ def register() -> None:
     state_cls = _compat.optional_attr("torch.distributed.fsdp._fully_shard._fsdp_state", "FSDPState")
     if state_cls is None:
         return
+    register_handler(gather_with_fsdp_backward, _gather_handler)
     register_polyfill(state_cls.__dict__["_pre_forward"], pre_forward, check=_check_state)
     register_polyfill(state_cls.__dict__["_post_forward"], post_forward, check=_check_state)
