@@ -71,6 +71,27 @@ def compiled_autograd(compiler: Any) -> Any:
     return ca._enable(compiler)
 
 
+def in_compiled_autograd_region() -> bool:
+    """Whether a compiled-autograd graph is running now (``compiled_autograd.in_compiled_autograd_region``)."""
+    from torch._dynamo import compiled_autograd as ca
+
+    return bool(getattr(ca, "in_compiled_autograd_region", False))
+
+
+def is_compiling_context(ctx: Any) -> bool:
+    """Whether an ``OptimizedModule``'s ``dynamo_ctx`` compiles (not ``torch._dynamo.disable``'s context)."""
+    from torch._dynamo.eval_frame import DisableContext
+
+    return not isinstance(ctx, DisableContext)
+
+
+def wrap_inline(module: Any) -> Any:
+    """``external_utils.wrap_inline(module)``: a frame Dynamo can capture that calls ``module(...)`` with its hooks."""
+    from torch._dynamo import external_utils
+
+    return external_utils.wrap_inline(module)
+
+
 def user_function_variable(fn: Any, **kwargs: Any) -> Any:
     """A ``UserFunctionVariable`` for ``fn`` (inlined by Dynamo when called)."""
     return _variables.UserFunctionVariable(fn, **kwargs)

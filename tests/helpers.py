@@ -41,14 +41,17 @@ def normalize_gm(text: str) -> str:
 
 
 class CountingBackend:
-    """A backend that records every graph Dynamo hands it and runs it eagerly."""
+    """A backend that records every graph Dynamo hands it and runs it eagerly (or with ``inner``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, inner: str | None = None) -> None:
         self.graphs: list[torch.fx.GraphModule] = []
+        self.inner = inner
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: Any) -> Callable[..., Any]:
         self.graphs.append(gm)
-        return gm.forward
+        if self.inner is None:
+            return gm.forward
+        return torch._dynamo.lookup_backend(self.inner)(gm, example_inputs)
 
     @property
     def frame_count(self) -> int:

@@ -13,7 +13,7 @@ def install(patches: Patcher) -> None:
     from torch.distributed.distributed_c10d import _WorldMeta
     from torch.distributed.tensor.placement_types import Placement
 
-    from . import c10d_queries, collectives, device_mesh, dtensor, fsdp, placement, process_group
+    from . import c10d_queries, collectives, device_mesh, dtensor, fsdp, fsdp_eager, placement, process_group
 
     patches.on_undo(registry.clear)
     registry.register_variable(dist.ProcessGroup, process_group.build_process_group, match="subclass")
@@ -24,5 +24,6 @@ def install(patches: Patcher) -> None:
     c10d_queries.register()
     collectives.register()
     fsdp.register()
+    fsdp_eager.install(patches)
     dtensor.register(patches)
     registry.hook_builders(patches)

@@ -1,0 +1,160 @@
+"""FSDP2 training steps run eagerly and compiled, for the gloo tests and the benchmark.
+
+A configuration is a dict of keyword arguments of :func:`build` and
+:func:`train`; :func:`compare` trains the same model from the same seed
+eagerly and compiled (forward compiled with the plugin, backward either eager
+or under compiled autograd) and reports, per step, the largest difference of
+the loss, of each gradient's local shard and of the parameters after the
+optimizer step, plus the gradients' types and placements.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+HIDDEN, INNER = 10, 6  # 10 rows over 4 ranks: 3, 3, 3, 1; 6 rows: 2, 2, 2, 0 (FSDP pads)
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(HIDDEN, INNER)
+        self.down = nn.Linear(INNER, HIDDEN)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.relu(self.up(x)))
+
+
+class Net(nn.Module):
+    """``[B, 10] -> [B, 10]``: an input projection, 2 residual blocks, an output projection."""
+
+    def __init__(self, *, tied: bool = False, checkpoint: bool = False) -> None:
+        super().__init__()
+        self.inp = nn.Linear(HIDDEN, HIDDEN, bias=False)
+        self.blocks = nn.ModuleList([Block(), Block()])
+        self.out = nn.Linear(HIDDEN, HIDDEN, bias=False)
+        if tied:
+            self.out.weight = self.inp.weight
+        self.checkpoint = checkpoint
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for block in self.blocks:
+            if self.checkpoint:
+                h = torch.utils.checkpoint.checkpoint(block, h, use_reentrant=False)
+            else:
+                h = block(h)
+        return self.out(h)
+
+
+def build(
+    world: int,
+    *,
+    nested: bool = True,
+    reshard: bool | int = True,
+    mp: tuple[torch.dtype, torch.dtype] | None = None,
+    tied: bool = False,
+    checkpoint: bool = False,
+    tp: bool = False,
+    divide_factor: float | None = None,
+    force_sum: bool = False,
+    **_: Any,
+) -> nn.Module:
+    """The model sharded with ``fully_shard`` on a 1-D mesh (or FSDP over TP on a ``(2, W/2)`` mesh)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    torch.manual_seed(0)
+    net = Net(tied=tied, checkpoint=checkpoint)
+    if tp:
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+        mesh2d = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "tp"))
+        for block in net.blocks:
+            parallelize_module(block, mesh2d["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
+        mesh = mesh2d["dp"]
+    else:
+        mesh = init_device_mesh("cpu", (world,))
+    kwargs: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": reshard}
+    if mp is not None:
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=mp[0], reduce_dtype=mp[1])
+    if nested:
+        for block in net.blocks:
+            fully_shard(block, **kwargs)
+    fully_shard(net, **kwargs)
+    for module in net.modules():
+        if divide_factor is not None and hasattr(module, "set_gradient_divide_factor"):
+            module.set_gradient_divide_factor(divide_factor)
+        if force_sum and hasattr(module, "set_force_sum_reduction_for_comms"):
+            module.set_force_sum_reduction_for_comms(True)
+    return net
+
+
+def batch(rank: int, step: int, micro: int = 0, *, tp: bool = False) -> torch.Tensor:
+    """``[4, 10]`` fp32 input of one rank (the same across a TP group)."""
+    seed = (rank // 2 if tp else rank) * 100 + step * 10 + micro
+    return torch.randn(4, HIDDEN, generator=torch.Generator().manual_seed(seed))
+
+
+def train(
+    net: nn.Module,
+    model: Callable[[torch.Tensor], torch.Tensor],
+    rank: int,
+    *,
+    steps: int = 3,
+    accumulate: int = 1,
+    no_sync: bool = False,
+    backward: Callable[[torch.Tensor], None] = torch.Tensor.backward,
+    tp: bool = False,
+    **_: Any,
+) -> list[dict[str, Any]]:
+    """Train ``steps`` SGD steps; per step: loss, gradients (type, placements, local) and parameters."""
+    from torch.distributed.tensor import DTensor
+
+    opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
+    record = []
+    for step in range(steps):
+        losses = []
+        for micro in range(accumulate):
+            if no_sync:
+                net.set_requires_gradient_sync(micro == accumulate - 1)
+            loss = model(batch(rank, step, micro, tp=tp)).float().pow(2).mean()
+            backward(loss)
+            losses.append(loss.detach())
+        grads = [
+            (type(p.grad).__name__, tuple(map(str, p.grad.placements)), p.grad.to_local().detach().clone())
+            if isinstance(p.grad, DTensor)
+            else (type(p.grad).__name__, None, None if p.grad is None else p.grad.detach().clone())
+            for p in net.parameters()
+        ]
+        opt.step()
+        opt.zero_grad()
+        params = [p.to_local().detach().clone() for p in net.parameters()]
+        record.append({"loss": torch.stack(losses), "grads": grads, "params": params})
+    return record
+
+
+def max_diff(a: torch.Tensor | None, b: torch.Tensor | None) -> float:
+    """Largest absolute difference; ``inf`` when shapes or presence differ."""
+    if a is None or b is None:
+        return 0.0 if a is None and b is None else float("inf")
+    if a.shape != b.shape:
+        return float("inf")
+    return float((a.float() - b.float()).abs().max()) if a.numel() else 0.0
+
+
+def diff(eager: list[dict[str, Any]], compiled: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per-step largest differences and whether gradient types and placements agree."""
+    return {
+        "loss": max(max_diff(e["loss"], c["loss"]) for e, c in zip(eager, compiled)),
+        "grads": max(max_diff(ge[2], gc[2]) for e, c in zip(eager, compiled) for ge, gc in zip(e["grads"], c["grads"])),
+        "params": max(max_diff(pe, pc) for e, c in zip(eager, compiled) for pe, pc in zip(e["params"], c["params"])),
+        "grad_kinds": [g[:2] for g in compiled[0]["grads"]],
+        "grad_kinds_match": all(
+            ge[:2] == gc[:2] for e, c in zip(eager, compiled) for ge, gc in zip(e["grads"], c["grads"])
+        ),
+    }
