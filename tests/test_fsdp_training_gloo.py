@@ -84,3 +84,46 @@ def test_fsdp2_training_matches_eager(compiled_autograd):
             if compiled_autograd:
                 # one backward graph; accumulating into an existing .grad is a second (AccumulateGrad differs)
                 assert r["bwd_graphs"] == (2 if name == "accumulate" else 1), where
+
+
+def _untraced(rank: int, world: int) -> dict[str, Any]:
+    import dynamo_ext._compat as compat
+    from dynamo_ext import graph_breaks
+
+    cfg = {"accumulate": 2, "no_sync": True, "fullgraph": False}
+    net = build(world, **cfg)
+    eager = train(net, net, rank, **cfg)
+    run = _train_compiled(rank, world, cfg, compiled_autograd=False)
+    out = {"no_sync": {**diff(eager, run.pop("record")), **run}}
+    out["no_sync_break_types"] = sorted(
+        {k.split("\n")[0] for k in compat.dynamo_counters()["graph_break"] if graph_breaks.FSDP_UNTRACED.gb_type in k}
+    )
+    # Compiled autograd meeting FSDP2's eager hooks: a forward not compiled (stock's silent failure), and
+    # a forward that broke the graph at a setting the plugin does not trace.
+    errors = {}
+    for name, compile_forward in (("eager_forward", False), ("untraced_setting", True)):
+        torch._dynamo.reset()
+        net = build(world)
+        if name == "untraced_setting":
+            net.set_all_reduce_hook(lambda t: None)
+        model = torch.compile(net, backend="aot_eager") if compile_forward else net
+        loss = model(torch.randn(4, 10)).sum()
+        try:
+            with compat.compiled_autograd(torch.compile(backend="aot_eager")):
+                loss.backward()
+            errors[name] = None
+        except RuntimeError as e:
+            errors[name] = str(e)
+    out["errors"] = errors
+    return out
+
+
+def test_untraced_fsdp2_settings_run_fsdp2_hooks_eagerly_or_refuse_compiled_autograd():
+    for rank, r in enumerate(run_on_ranks(_untraced, nproc=4)):
+        no_sync = r["no_sync"]
+        assert no_sync["grads"] <= FP32_TOL and no_sync["params"] <= FP32_TOL, (rank, no_sync)
+        assert no_sync["grad_kinds_match"] and no_sync["breaks"] > 0, (rank, no_sync)
+        assert r["no_sync_break_types"], r
+        for name, message in r["errors"].items():
+            assert message is not None, f"rank {rank}: {name}: compiled autograd ran FSDP2's eager hooks silently"
+            assert "ran under compiled autograd" in message and "dynamo_ext installed" in message, message

@@ -149,7 +149,8 @@ def untraced_reasons(state: Any) -> list[str]:
     every gradient at once over the shard group.  Eager FSDP2 does something
     else when gradient sync is off (it accumulates unsharded gradients), for
     HSDP (an extra all-reduce), with a user all-reduce hook, custom
-    collectives, CPU offload, or zero gradients for unused parameters.
+    collectives, CPU offload, zero gradients for unused parameters, and while
+    an unsharded gradient accumulated without sync waits to be reduced.
     """
     _, ddp_mesh_info = _compat.fsdp_mesh_info_kinds()
     reasons = []
@@ -164,9 +165,18 @@ def untraced_reasons(state: Any) -> list[str]:
             ),
             "CPU offload (OffloadPolicy)": any(p.offload_to_cpu for p in group.fsdp_params),
             "set_reduce_scatter_unused_params(True)": getattr(group, "reduce_scatter_unused_params", False),
+            "an unsharded gradient accumulated without sync is pending": any(map(_pending_grad, group.fsdp_params)),
         }
         reasons += [r for r, hit in checks.items() if hit and r not in reasons]
     return reasons
+
+
+def _pending_grad(fsdp_param: Any) -> bool:
+    # Left by a backward with gradient sync off; FSDP2's next post-backward adds it before reducing.
+    if getattr(fsdp_param, "unsharded_accumulated_grad", None) is not None:
+        return True
+    unsharded = getattr(fsdp_param, "_unsharded_param", None)
+    return unsharded is not None and unsharded.grad is not None
 
 
 def config_record(state: Any) -> tuple[Any, ...]:
