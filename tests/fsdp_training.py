@@ -20,23 +20,25 @@ HIDDEN, INNER = 10, 6  # 10 rows over 4 ranks: 3, 3, 3, 1; 6 rows: 2, 2, 2, 0 (F
 
 
 class Block(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, hidden: int = HIDDEN, inner: int = INNER) -> None:
         super().__init__()
-        self.up = nn.Linear(HIDDEN, INNER)
-        self.down = nn.Linear(INNER, HIDDEN)
+        self.up = nn.Linear(hidden, inner)
+        self.down = nn.Linear(inner, hidden)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x + self.down(torch.relu(self.up(x)))
 
 
 class Net(nn.Module):
-    """``[B, 10] -> [B, 10]``: an input projection, 2 residual blocks, an output projection."""
+    """``[B, hidden] -> [B, hidden]``: an input projection, 2 residual blocks, an output projection."""
 
-    def __init__(self, *, tied: bool = False, checkpoint: bool = False) -> None:
+    def __init__(
+        self, *, tied: bool = False, checkpoint: bool = False, hidden: int = HIDDEN, inner: int = INNER
+    ) -> None:
         super().__init__()
-        self.inp = nn.Linear(HIDDEN, HIDDEN, bias=False)
-        self.blocks = nn.ModuleList([Block(), Block()])
-        self.out = nn.Linear(HIDDEN, HIDDEN, bias=False)
+        self.inp = nn.Linear(hidden, hidden, bias=False)
+        self.blocks = nn.ModuleList([Block(hidden, inner), Block(hidden, inner)])
+        self.out = nn.Linear(hidden, hidden, bias=False)
         if tied:
             self.out.weight = self.inp.weight
         self.checkpoint = checkpoint
@@ -62,6 +64,8 @@ def build(
     tp: bool = False,
     divide_factor: float | None = None,
     force_sum: bool = False,
+    hidden: int = HIDDEN,
+    inner: int = INNER,
     **_: Any,
 ) -> nn.Module:
     """The model sharded with ``fully_shard`` on a 1-D mesh (or FSDP over TP on a ``(2, W/2)`` mesh)."""
@@ -69,7 +73,7 @@ def build(
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     torch.manual_seed(0)
-    net = Net(tied=tied, checkpoint=checkpoint)
+    net = Net(tied=tied, checkpoint=checkpoint, hidden=hidden, inner=inner)
     if tp:
         from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
@@ -94,10 +98,34 @@ def build(
     return net
 
 
-def batch(rank: int, step: int, micro: int = 0, *, tp: bool = False) -> torch.Tensor:
-    """``[4, 10]`` fp32 input of one rank (the same across a TP group)."""
+def batch(
+    rank: int, step: int, micro: int = 0, *, tp: bool = False, rows: int = 4, hidden: int = HIDDEN
+) -> torch.Tensor:
+    """``[rows, hidden]`` fp32 input of one rank (the same across a TP group)."""
     seed = (rank // 2 if tp else rank) * 100 + step * 10 + micro
-    return torch.randn(4, HIDDEN, generator=torch.Generator().manual_seed(seed))
+    return torch.randn(rows, hidden, generator=torch.Generator().manual_seed(seed))
+
+
+def saved_bytes(net: nn.Module, model: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> int:
+    """Bytes autograd holds for backward after one forward, per rank, then runs the backward.
+
+    Counted once per storage when the forward has finished (so storage FSDP2
+    frees after forward counts 0), leaving out the sharded parameters' own
+    storage, which exists whether or not anything is saved.
+    """
+    saved: list[torch.Tensor] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved.append(t)
+        return t
+
+    # Before the forward: eager FSDP2 with reshard_after_forward=False leaves the unsharded ones registered.
+    params = {(p.to_local() if hasattr(p, "to_local") else p).untyped_storage()._cdata for p in net.parameters()}
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = model(x).float().pow(2).mean()
+    storages = {t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in saved}
+    loss.backward()
+    return sum(n for key, n in storages.items() if key not in params)
 
 
 def train(

@@ -35,7 +35,14 @@ def _fsdp_state_after_compiled_forward(rank: int, world: int) -> dict:
         "params_sharded": all(isinstance(p, DTensor) for p in net.parameters()),
         "param_shapes": [tuple(p.to_local().shape) for p in net.parameters()],
         "frames": len(frames),
-        "all_gathers": sum("all_gather" in str(n.target) for gm in frames for n in gm.graph.nodes),
+        # the gathers sit in subgraphs (activation checkpoint, autograd.Function forward)
+        "all_gathers": sum(
+            "all_gather" in str(n.target)
+            for gm in frames
+            for sub in gm.modules()
+            if isinstance(sub, torch.fx.GraphModule)
+            for n in sub.graph.nodes
+        ),
     }
 
 

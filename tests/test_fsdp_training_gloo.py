@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import torch
-from fsdp_training import build, diff, train
+from fsdp_training import batch, build, diff, saved_bytes, train
 from helpers import CountingBackend, run_on_ranks
 
 pytestmark = pytest.mark.gloo
@@ -127,3 +127,22 @@ def test_untraced_fsdp2_settings_run_fsdp2_hooks_eagerly_or_refuse_compiled_auto
         for name, message in r["errors"].items():
             assert message is not None, f"rank {rank}: {name}: compiled autograd ran FSDP2's eager hooks silently"
             assert "ran under compiled autograd" in message and "dynamo_ext installed" in message, message
+
+
+def _saved(rank: int, world: int) -> dict[str, Any]:
+    out = {}
+    for reshard in (True, False):
+        for mode in ("eager", "plugin"):
+            torch._dynamo.reset()
+            net = build(world, reshard=reshard)
+            model = net if mode == "eager" else torch.compile(net, backend="aot_eager", fullgraph=True)
+            out[(reshard, mode)] = saved_bytes(net, model, batch(rank, 0))
+    return out
+
+
+def test_saved_for_backward_matches_eager_fsdp2_memory():
+    for rank, r in enumerate(run_on_ranks(_saved, nproc=4)):
+        # reshard_after_forward=True: the all-gather is recomputed, the unsharded parameters are not saved
+        assert r[(True, "plugin")] <= 1.10 * r[(True, "eager")], (rank, r)
+        assert r[(False, "plugin")] <= 1.10 * r[(False, "eager")], (rank, r)
+        assert r[(True, "eager")] < r[(False, "eager")], (rank, r)  # the measure sees the unsharded parameters

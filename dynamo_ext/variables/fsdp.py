@@ -51,11 +51,31 @@ def _gather_handler(tx: Any, args: list[Any], kwargs: dict[str, Any]) -> Any:
     reduction = fsdp_reduce.plan(fsdp_param, param_group)
     log.debug("FSDP2 %s: gradient reduction %s", fsdp_param._module_info.param_name, reduction)
     const = [wrap_constant(tx, getattr(reduction, f.name)) for f in dataclasses.fields(reduction)]
-    return _compat.user_function_variable(_gather_impl).call_function(tx, [args[2], *const], {})
+    # NOTE [FSDP2 memory: re-gather in backward]: with reshard_after_forward (True or an
+    # int) eager FSDP2 frees the unsharded parameter after forward and all-gathers it
+    # again in backward.  The gather is traced inside an activation checkpoint, so
+    # AOTAutograd's partitioner marks it must-recompute: the backward graph re-gathers
+    # from the sharded parameter instead of saving the unsharded one (SimpleFSDP does
+    # the same).  reshard_after_forward=False saves it, like eager.
+    impl = _gather_recomputed if param_group.post_forward_mesh_info is not None else _gather_impl
+    rows = wrap_constant(tx, fsdp_param.padded_sharded_param_size[0])
+    return _compat.user_function_variable(impl).call_function(tx, [args[2], rows, *const], {})
 
 
-def _gather_impl(local: Any, *fields: Any) -> Any:
+def _gather_impl(local: Any, padded_rows: int, *fields: Any) -> Any:
+    import torch.nn.functional as F  # noqa: N812
+
+    # Pad here, not before: a recomputed gather then keeps only the sharded
+    # parameter itself for backward, not a padded copy of it.
+    if local.size(0) < padded_rows:
+        local = F.pad(local, [0, 0] * (local.dim() - 1) + [0, padded_rows - local.size(0)])
     return fsdp_reduce.gather(local, fsdp_reduce.GradReduction(*fields))
+
+
+def _gather_recomputed(local: Any, *fields: Any) -> Any:
+    import torch.utils.checkpoint
+
+    return torch.utils.checkpoint.checkpoint(_gather_impl, local, *fields, use_reentrant=False)
 
 
 def unshard_param(param_group: Any, fsdp_param: Any) -> Any:
@@ -67,14 +87,8 @@ def unshard_param(param_group: Any, fsdp_param: Any) -> Any:
     reduces it (NOTE [FSDP2 gradients in traced graphs]).
     """
     import torch
-    import torch.nn.functional as F  # noqa: N812
 
-    local = fsdp_param.sharded_param.to_local()
-    padded_rows = fsdp_param.padded_sharded_param_size[0]
-    if local.size(0) < padded_rows:
-        pad = [0, 0] * (local.dim() - 1) + [0, padded_rows - local.size(0)]
-        local = F.pad(local, pad)
-    full = gather_with_fsdp_backward(param_group, fsdp_param, local)
+    full = gather_with_fsdp_backward(param_group, fsdp_param, fsdp_param.sharded_param.to_local())
     size = fsdp_param._orig_size
     full = torch.narrow(full, 0, 0, size[0]).reshape(size)
     if fsdp_param.is_dtensor:
