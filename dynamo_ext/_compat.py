@@ -121,3 +121,28 @@ def optional_attr(module: str, name: str) -> Any:
         return getattr(importlib.import_module(module), name)
     except (ImportError, AttributeError):
         return None
+
+
+# ---- module backward hooks (variables/backward_hooks.py) ----------------------
+def backward_hook_variable_class() -> Any:
+    """Dynamo's tracker for ``torch.utils.hooks.BackwardHook`` (``BackwardHookVariable``), or ``None``.
+
+    In ``torch._dynamo.variables.distributed`` on 2.11 to 2.15, re-exported from ``torch._dynamo.variables``.
+    """
+    return getattr(_variables, "BackwardHookVariable", None)
+
+
+def compiled_autograd_enabled() -> bool:
+    """Whether compiled autograd is on while Dynamo traces (``compiled_autograd.compiled_autograd_enabled``)."""
+    from torch._dynamo import compiled_autograd as ca
+
+    return bool(getattr(ca, "compiled_autograd_enabled", False))
+
+
+def wrap_fx_proxy(tx: Any, proxy: Any) -> Any:
+    """A tracker for the result of a graph node (``torch._dynamo.variables.builder.wrap_fx_proxy``)."""
+    return _builder.wrap_fx_proxy(tx, proxy)
+
+
+TensorVariable = _variables.TensorVariable
+TupleVariable = _variables.TupleVariable

@@ -1,0 +1,60 @@
+"""Guards on empty module backward hook dicts, so a hook registered after compiling recompiles.
+
+Stock Dynamo guards an empty ``_backward_hooks`` / ``_backward_pre_hooks``
+dict with ``EMPTY_NN_MODULE_HOOKS_DICT``, which does nothing while
+``torch._dynamo.config.skip_nnmodule_hook_guards`` is True (the default): a
+backward hook registered after the first compile was silently ignored
+(pytorch#117265).  For those two dicts we install a length guard whose
+failure reason says what changed; the other hook dicts keep stock's rule.
+Non-empty dicts are already guarded by Dynamo's dict guards.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from .. import _compat
+from .._patching import Patcher
+from .spec import FAILURES, _keys, marker
+
+BACKWARD_HOOK_DICTS = ("_backward_hooks", "_backward_pre_hooks")
+
+
+def describe_hook_count(label: str, expected: int, actual: int) -> str:
+    """The recompile reason for a hook dict of ``expected`` entries that now has ``actual``."""
+    return (
+        f"{label}: module backward hooks changed: {expected} -> {actual} registered "
+        "(a hook was registered or removed after compiling)"
+    )
+
+
+def make_empty_check(key: str, label: str) -> Callable[[Any], bool]:
+    """A guard check: True while the hook dict is still empty; records the reason when not."""
+
+    def check(value: Any) -> bool:
+        try:
+            n = len(value)
+        except TypeError:
+            n = -1
+        if n == 0:
+            return True
+        FAILURES[key] = describe_hook_count(label, 0, n)
+        return False
+
+    return check
+
+
+def install(patches: Patcher) -> None:
+    """Make ``GuardBuilder.EMPTY_NN_MODULE_HOOKS_DICT`` guard the backward hook dicts always."""
+    builder_cls = _compat.GuardBuilder
+    orig = builder_cls.EMPTY_NN_MODULE_HOOKS_DICT
+
+    def EMPTY_NN_MODULE_HOOKS_DICT(self: Any, guard: Any) -> None:  # noqa: N802  (Dynamo's name)
+        if not guard.name.endswith(BACKWARD_HOOK_DICTS):
+            return orig(self, guard)
+        key = str(next(_keys))
+        _compat.lambda_guard(self, guard, make_empty_check(key, guard.name), marker(key))
+        return None
+
+    patches.setattr(builder_cls, "EMPTY_NN_MODULE_HOOKS_DICT", EMPTY_NN_MODULE_HOOKS_DICT)
