@@ -86,6 +86,16 @@ def lambda_guard(builder: Any, guard: Any, check: Any, verbose: str) -> None:
     mgr.add_lambda_guard(check, parts, guard.user_stack)
 
 
+def root_lambda_guard(builder: Any, guard: Any, check: Any, verbose: str) -> None:
+    """Attach ``check(f_locals) -> bool`` to the root guard manager (a guard on global state).
+
+    ``GuardBuilder.guard_manager.root.add_lambda_guard`` on 2.11 to 2.15, as Dynamo's own
+    ``AUTOGRAD_SAVED_TENSORS_HOOKS`` guard does.
+    """
+    parts = _guards.get_verbose_code_parts(verbose, guard)
+    builder.guard_manager.root.add_lambda_guard(check, parts, guard.user_stack)
+
+
 def guard_fail_reason_owner() -> tuple[Any, str]:
     """(module, name) of the function that turns a failed guard into the recompile reason."""
     return _guards, "get_guard_fail_reason_helper"

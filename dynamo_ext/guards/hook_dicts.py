@@ -6,7 +6,10 @@ dict with ``EMPTY_NN_MODULE_HOOKS_DICT``, which does nothing while
 backward hook registered after the first compile was silently ignored
 (pytorch#117265).  For those two dicts we install a length guard whose
 failure reason says what changed; the other hook dicts keep stock's rule.
-Non-empty dicts are already guarded by Dynamo's dict guards.
+Non-empty dicts are already guarded by Dynamo's dict guards.  The global
+dicts (``register_module_full_backward_hook`` / ``_pre_hook``) get only a
+type guard from stock Dynamo; with the first module hook dict guard of a frame
+we add one guard on the keys of both global dicts.
 """
 
 from __future__ import annotations
@@ -45,6 +48,32 @@ def make_empty_check(key: str, label: str) -> Callable[[Any], bool]:
     return check
 
 
+def global_hook_keys() -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The handle ids of the global full backward hooks and backward pre-hooks."""
+    from torch.nn.modules import module
+
+    return tuple(module._global_backward_hooks), tuple(module._global_backward_pre_hooks)
+
+
+def make_global_check(key: str) -> Callable[[Any], bool]:
+    """A guard check: True while the global backward hook dicts hold the same hooks as now."""
+    expected = global_hook_keys()
+
+    def check(_: Any) -> bool:
+        actual = global_hook_keys()
+        if actual == expected:
+            return True
+        FAILURES[key] = (
+            "global module backward hooks changed: "
+            f"{len(expected[0])} -> {len(actual[0])} full backward hooks, "
+            f"{len(expected[1])} -> {len(actual[1])} backward pre-hooks "
+            "(register_module_full_backward_hook / _pre_hook after compiling)"
+        )
+        return False
+
+    return check
+
+
 def install(patches: Patcher) -> None:
     """Make ``GuardBuilder.EMPTY_NN_MODULE_HOOKS_DICT`` guard the backward hook dicts always."""
     builder_cls = _compat.GuardBuilder
@@ -55,6 +84,10 @@ def install(patches: Patcher) -> None:
             return orig(self, guard)
         key = str(next(_keys))
         _compat.lambda_guard(self, guard, make_empty_check(key, guard.name), marker(key))
+        if not getattr(self, "_dynamo_ext_global_hooks_guarded", False):
+            self._dynamo_ext_global_hooks_guarded = True
+            key = str(next(_keys))
+            _compat.root_lambda_guard(self, guard, make_global_check(key), marker(key))
         return None
 
     patches.setattr(builder_cls, "EMPTY_NN_MODULE_HOOKS_DICT", EMPTY_NN_MODULE_HOOKS_DICT)

@@ -192,6 +192,14 @@ def _call_op(site_id: int, phase: int, defined: list[int], grads: list[torch.Ten
     return torch.ops.dynamo_ext.run_module_hooks(site_id, phase, defined, grads)
 
 
+def _identity(ctx: Any, tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    # Views, as autograd makes of inputs a Function returns; eager's BackwardHookFunction marks
+    # the ones whose input does not require grad non-differentiable.
+    outs = tuple(t.view_as(t) for t in tensors)
+    ctx.mark_non_differentiable(*[o for o, t in zip(outs, tensors) if not t.requires_grad])
+    return outs
+
+
 class HookOutputs(torch.autograd.Function):
     """Identity on a hooked module's output tensors; backward runs the backward pre-hooks."""
 
@@ -199,8 +207,7 @@ class HookOutputs(torch.autograd.Function):
     def forward(ctx: Any, site_id: int, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         ctx.site_id = site_id
         ctx.set_materialize_grads(False)  # eager's pre-hooks see None for outputs that got no gradient
-        ctx.mark_non_differentiable(*[t for t in tensors if not t.requires_grad])
-        return tuple(t.view_as(t) for t in tensors)
+        return _identity(ctx, tensors)
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:
@@ -218,8 +225,7 @@ class HookInputs(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, site_id: int, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         ctx.site_id = site_id
-        ctx.mark_non_differentiable(*[t for t in tensors if not t.requires_grad])
-        return tuple(t.view_as(t) for t in tensors)
+        return _identity(ctx, tensors)
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
