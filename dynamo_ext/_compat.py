@@ -86,6 +86,21 @@ def lambda_guard(builder: Any, guard: Any, check: Any, verbose: str) -> None:
     mgr.add_lambda_guard(check, parts, guard.user_stack)
 
 
+def empty_dict_guard(builder: Any, guard: Any, verbose: str) -> None:
+    """Guard that the dict at ``guard``'s source is empty, in C++; ``verbose`` is the failure reason.
+
+    ``GuardManager.add_dict_length_check_guard(length, verbose_code_parts, user_stack)`` (what
+    Dynamo's ``SEQUENCE_LENGTH`` uses for dicts) on 2.11 to 2.15; a lambda guard where it is absent.
+    """
+    mgr = builder.get_guard_manager(guard)
+    parts = _guards.get_verbose_code_parts(verbose, guard)
+    add = getattr(mgr, "add_dict_length_check_guard", None)
+    if add is not None:
+        add(0, parts, guard.user_stack)
+    else:
+        mgr.add_lambda_guard(lambda d: isinstance(d, dict) and not d, parts, guard.user_stack)
+
+
 def root_lambda_guard(builder: Any, guard: Any, check: Any, verbose: str) -> None:
     """Attach ``check(f_locals) -> bool`` to the root guard manager (a guard on global state).
 

@@ -4,8 +4,9 @@ Stock Dynamo guards an empty ``_backward_hooks`` / ``_backward_pre_hooks``
 dict with ``EMPTY_NN_MODULE_HOOKS_DICT``, which does nothing while
 ``torch._dynamo.config.skip_nnmodule_hook_guards`` is True (the default): a
 backward hook registered after the first compile was silently ignored
-(pytorch#117265).  For those two dicts we install a length guard whose
-failure reason says what changed; the other hook dicts keep stock's rule.
+(pytorch#117265).  For those two dicts we install Dynamo's C++ dict-length
+guard, whose failure text (the recompile reason) says what changed in words;
+the other hook dicts keep stock's rule.
 Non-empty dicts are already guarded by Dynamo's dict guards.  The global
 dicts (``register_module_full_backward_hook`` / ``_pre_hook``) get only a
 type guard from stock Dynamo; with the first module hook dict guard of a frame
@@ -24,28 +25,9 @@ from .spec import FAILURES, _keys, marker
 BACKWARD_HOOK_DICTS = ("_backward_hooks", "_backward_pre_hooks")
 
 
-def describe_hook_count(label: str, expected: int, actual: int) -> str:
-    """The recompile reason for a hook dict of ``expected`` entries that now has ``actual``."""
-    return (
-        f"{label}: module backward hooks changed: {expected} -> {actual} registered "
-        "(a hook was registered or removed after compiling)"
-    )
-
-
-def make_empty_check(key: str, label: str) -> Callable[[Any], bool]:
-    """A guard check: True while the hook dict is still empty; records the reason when not."""
-
-    def check(value: Any) -> bool:
-        try:
-            n = len(value)
-        except TypeError:
-            n = -1
-        if n == 0:
-            return True
-        FAILURES[key] = describe_hook_count(label, 0, n)
-        return False
-
-    return check
+def describe_late_hook(label: str) -> str:
+    """The recompile reason for a backward hook dict that was empty at compile time and is not now."""
+    return f"{label}: module backward hooks changed: compiled with none, now some are registered"
 
 
 def global_hook_keys() -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -82,8 +64,7 @@ def install(patches: Patcher) -> None:
     def EMPTY_NN_MODULE_HOOKS_DICT(self: Any, guard: Any) -> None:  # noqa: N802  (Dynamo's name)
         if not guard.name.endswith(BACKWARD_HOOK_DICTS):
             return orig(self, guard)
-        key = str(next(_keys))
-        _compat.lambda_guard(self, guard, make_empty_check(key, guard.name), marker(key))
+        _compat.empty_dict_guard(self, guard, describe_late_hook(guard.name))
         if not getattr(self, "_dynamo_ext_global_hooks_guarded", False):
             self._dynamo_ext_global_hooks_guarded = True
             key = str(next(_keys))
