@@ -165,6 +165,20 @@ def test_unused_output_gives_none_to_pre_hook(plugin):
     assert _same(seen[2:], seen[:2])
 
 
+def test_full_hook_may_return_none_for_inputs_without_grad(plugin):
+    m = Pair()
+    m.register_full_backward_hook(lambda mod, gi, go: (gi[0] * 2, None, None))
+    a, b = torch.randn(2, 6, requires_grad=True), torch.randn(2, 6)
+
+    def f(a, b):
+        return m(a, b, 3)[0].sum()
+
+    f(a, b).backward()
+    ref, a.grad = a.grad, None
+    torch.compile(f, backend="aot_eager", fullgraph=True)(a, b).backward()
+    assert torch.allclose(a.grad, ref)
+
+
 def _late(register, backend="aot_eager"):
     torch.manual_seed(0)
     net = Net()

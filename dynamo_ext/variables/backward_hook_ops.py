@@ -148,7 +148,7 @@ def _run_pre_hooks(s: HookSite, module: torch.nn.Module, defined: list[int], gra
     return [_checked(grad_outputs[s.output_idx[p]], g, "grad_output", s.output_idx[p]) for p, g in zip(defined, grads)]
 
 
-def _run_full_hooks(s: HookSite, module: torch.nn.Module, grads: list[torch.Tensor]) -> list:
+def _run_full_hooks(s: HookSite, module: torch.nn.Module, defined: list[int], grads: list[torch.Tensor]) -> list:
     assert s.input_idx is not None
     grad_outputs = _PENDING.pop(s.site_id, None)
     if grad_outputs is None:  # gradient reached the inputs without passing the outputs (eager: no call)
@@ -163,14 +163,20 @@ def _run_full_hooks(s: HookSite, module: torch.nn.Module, grads: list[torch.Tens
                 f"Backward hook returned an invalid number of grad_input, got {len(out)}, but expected {len(res)}"
             )
         res = tuple(out)
-    return [_checked(res[i], g, "grad_input", i) for i, g in zip(s.input_idx, grads)]
+    # What a hook returns for an input that does not require grad is dropped, as in eager.
+    keep = set(defined)
+    return [
+        _checked(res[i], g, "grad_input", i) if p in keep else g for p, (i, g) in enumerate(zip(s.input_idx, grads))
+    ]
 
 
 def run_module_hooks(site_id: int, phase: int, defined: list[int], grads: list[torch.Tensor]) -> list[torch.Tensor]:
     """Eager body of ``dynamo_ext::run_module_hooks``: call the module's current hooks on ``grads``.
 
-    ``grads`` are the defined gradients at the hook point, ``defined`` their
-    positions among the point's tensors.  Returns the gradients to pass on
+    At the outputs (``phase`` 0) ``grads`` are the defined gradients and
+    ``defined`` their positions among the outputs' tensors; at the inputs
+    (``phase`` 1) ``grads`` are all the inputs' gradients (zeros where none
+    arrived, as eager) and ``defined`` the positions of inputs that require grad.  Returns the gradients to pass on
     (same shapes, dtypes and devices), fresh tensors where a hook kept one.
     """
     s = _SITES.get(site_id)
@@ -180,7 +186,7 @@ def run_module_hooks(site_id: int, phase: int, defined: list[int], grads: list[t
     if phase == PHASE_OUTPUTS:
         out = _run_pre_hooks(s, module, list(defined), list(grads))
     else:
-        out = _run_full_hooks(s, module, list(grads))
+        out = _run_full_hooks(s, module, list(defined), list(grads))
     return _fresh(list(out), list(grads))
 
 
@@ -225,12 +231,13 @@ class HookInputs(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, site_id: int, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         ctx.site_id = site_id
+        ctx.differentiable = [i for i, t in enumerate(tensors) if t.requires_grad]
         return _identity(ctx, tensors)
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
         # Materialized like eager's BackwardHookFunction: zeros where no gradient arrived.
-        new = _call_op(ctx.site_id, PHASE_INPUTS, list(range(len(grads))), list(grads))
+        new = _call_op(ctx.site_id, PHASE_INPUTS, ctx.differentiable, list(grads))
         return (None, *new)
 
 
