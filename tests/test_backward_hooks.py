@@ -328,3 +328,22 @@ def test_uninstall_restores_stock_break_and_reinstall_works(plugin):
     x.grad = None
     torch.compile(lambda x: lin(x), backend="aot_eager", fullgraph=True)(x).sum().backward()
     assert torch.allclose(x.grad, ref)
+
+
+def test_dtensor_at_hook_point_graph_breaks_with_hint(world):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate
+
+    mesh = init_device_mesh("cpu", (4,))
+
+    class Scale(nn.Module):
+        def forward(self, x):
+            return x * 2
+
+    m = Scale()
+    m.register_full_backward_hook(lambda mod, gi, go: None)
+    x = DTensor.from_local(torch.randn(3, requires_grad=True), mesh, [Replicate()], run_check=False)
+    with pytest.raises(torch._dynamo.exc.Unsupported, match=GB_TYPE) as info:
+        torch.compile(lambda x: m(x), backend="eager", fullgraph=True)(x)
+    assert "input[0] is a DTensor" in str(info.value)
+    assert "compiled_autograd = True" in str(info.value)
