@@ -107,6 +107,31 @@ def lambda_guard(builder: Any, guard: Any, check: Any, verbose: str) -> None:
     mgr.add_lambda_guard(check, parts, guard.user_stack)
 
 
+def empty_dict_guard(builder: Any, guard: Any, verbose: str) -> None:
+    """Guard that the dict at ``guard``'s source is empty, in C++; ``verbose`` is the failure reason.
+
+    ``GuardManager.add_dict_length_check_guard(length, verbose_code_parts, user_stack)`` (what
+    Dynamo's ``SEQUENCE_LENGTH`` uses for dicts) on 2.11 to 2.15; a lambda guard where it is absent.
+    """
+    mgr = builder.get_guard_manager(guard)
+    parts = _guards.get_verbose_code_parts(verbose, guard)
+    add = getattr(mgr, "add_dict_length_check_guard", None)
+    if add is not None:
+        add(0, parts, guard.user_stack)
+    else:
+        mgr.add_lambda_guard(lambda d: isinstance(d, dict) and not d, parts, guard.user_stack)
+
+
+def root_lambda_guard(builder: Any, guard: Any, check: Any, verbose: str) -> None:
+    """Attach ``check(f_locals) -> bool`` to the root guard manager (a guard on global state).
+
+    ``GuardBuilder.guard_manager.root.add_lambda_guard`` on 2.11 to 2.15, as Dynamo's own
+    ``AUTOGRAD_SAVED_TENSORS_HOOKS`` guard does.
+    """
+    parts = _guards.get_verbose_code_parts(verbose, guard)
+    builder.guard_manager.root.add_lambda_guard(check, parts, guard.user_stack)
+
+
 def guard_fail_reason_owner() -> tuple[Any, str]:
     """(module, name) of the function that turns a failed guard into the recompile reason."""
     return _guards, "get_guard_fail_reason_helper"
@@ -169,3 +194,28 @@ def fsdp_mesh_info_kinds() -> tuple[Any, Any]:
     """(``FSDPMeshInfo``, ``DDPMeshInfo``) classes, ``None`` where absent (HSDP meshes are both)."""
     common = f"{_FSDP}._fsdp_common"
     return optional_attr(common, "FSDPMeshInfo"), optional_attr(common, "DDPMeshInfo")
+
+
+# ---- module backward hooks (variables/backward_hooks.py) ----------------------
+def backward_hook_variable_class() -> Any:
+    """Dynamo's tracker for ``torch.utils.hooks.BackwardHook`` (``BackwardHookVariable``), or ``None``.
+
+    In ``torch._dynamo.variables.distributed`` on 2.11 to 2.15, re-exported from ``torch._dynamo.variables``.
+    """
+    return getattr(_variables, "BackwardHookVariable", None)
+
+
+def compiled_autograd_enabled() -> bool:
+    """Whether compiled autograd is on while Dynamo traces (``compiled_autograd.compiled_autograd_enabled``)."""
+    from torch._dynamo import compiled_autograd as ca
+
+    return bool(getattr(ca, "compiled_autograd_enabled", False))
+
+
+def wrap_fx_proxy(tx: Any, proxy: Any) -> Any:
+    """A tracker for the result of a graph node (``torch._dynamo.variables.builder.wrap_fx_proxy``)."""
+    return _builder.wrap_fx_proxy(tx, proxy)
+
+
+TensorVariable = _variables.TensorVariable
+TupleVariable = _variables.TupleVariable

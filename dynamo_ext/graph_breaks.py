@@ -80,6 +80,17 @@ P2P_UNAVAILABLE = GraphBreakType(
     "This torch release has no functional point-to-point collectives to trace isend/irecv/batch_isend_irecv into.",
     ("Upgrade torch, or run the point-to-point exchange outside the compiled function.",),
 )
+MODULE_BACKWARD_HOOK = GraphBreakType(
+    "dynamo_ext: module backward hook without compiled autograd",
+    "dynamo-ext runs module full backward hooks from a compiled graph by putting identity points "
+    "on the module's positional input tensors and output tensors; this call has arguments or "
+    "results it cannot put them on (a tensor subclass such as DTensor, a tuple subclass).",
+    (
+        "Enable compiled autograd, which traces module backward hooks into the backward graph: "
+        "set torch._dynamo.config.compiled_autograd = True before calling torch.compile.",
+        SEE_DOCS,
+    ),
+)
 
 ALL: tuple[GraphBreakType, ...] = tuple(v for v in dict(globals()).values() if isinstance(v, GraphBreakType))
 

@@ -13,7 +13,17 @@ def install(patches: Patcher) -> None:
     from torch.distributed.distributed_c10d import _WorldMeta
     from torch.distributed.tensor.placement_types import Placement
 
-    from . import c10d_queries, collectives, device_mesh, dtensor, fsdp, fsdp_eager, placement, process_group
+    from . import (
+        backward_hooks,
+        c10d_queries,
+        collectives,
+        device_mesh,
+        dtensor,
+        fsdp,
+        fsdp_eager,
+        placement,
+        process_group,
+    )
 
     patches.on_undo(registry.clear)
     registry.register_variable(dist.ProcessGroup, process_group.build_process_group, match="subclass")
@@ -26,4 +36,5 @@ def install(patches: Patcher) -> None:
     fsdp.register()
     fsdp_eager.install(patches)
     dtensor.register(patches)
+    backward_hooks.register(patches)
     registry.hook_builders(patches)
