@@ -121,3 +121,13 @@ def optional_attr(module: str, name: str) -> Any:
         return getattr(importlib.import_module(module), name)
     except (ImportError, AttributeError):
         return None
+
+
+def strided_shard_type() -> type:
+    """``torch.distributed.tensor.placement_types._StridedShard`` (private, present on 2.11 to 2.15).
+
+    The placement of a tensor dim sharded over several mesh axes out of mesh order.
+    """
+    from torch.distributed.tensor import placement_types
+
+    return placement_types._StridedShard
