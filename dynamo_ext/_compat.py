@@ -37,6 +37,7 @@ GlobalSource = _source.GlobalSource
 
 
 GetAttrVariable = _variables.GetAttrVariable
+TupleVariable = _variables.TupleVariable
 
 
 def current_tx() -> Any:

@@ -53,6 +53,20 @@ def test_mesh_is_a_device_mesh_with_torch_xla_accessors(mesh):
     assert (mesh.device_ids, mesh.mesh_shape, mesh.axis_names) == ((0, 1, 2, 3), (2, 2), ("x", "y"))
 
 
+def test_mesh_accessors_trace_without_breaks(mesh):
+    def fn(t):
+        sizes = mesh.shape()  # torch_xla's OrderedDict
+        rows, cols = mesh.shape  # DeviceMesh's tuple
+        idx = mesh.get_axis_name_idx("y")
+        return t * sizes["y"] * rows * cols + mesh.get_logical_mesh().sum() + idx + mesh.size() + mesh.device_ids[3]
+
+    backend = CountingBackend()
+    t = torch.ones(2)
+    assert torch.equal(torch.compile(fn, backend=backend, fullgraph=True)(t), fn(t))
+    assert fn(t).tolist() == [2 * 2 * 2 + 6 + 1 + 4 + 3] * 2
+    assert backend.frame_count == 1
+
+
 def test_mesh_device_ids_are_laid_out_in_c_order(world):
     mesh = Mesh([3, 2, 1, 0], (2, 2))
     assert mesh.get_logical_mesh().tolist() == [[3, 2], [1, 0]]
