@@ -111,7 +111,15 @@ def _axes(mesh, spec):
 def _shards(rank: int, world: int) -> dict:
     from helpers import CountingBackend
 
-    from dynamo_ext.spmd import Mesh, clear_sharding, get_sharding, mark_sharding, with_sharding_constraint
+    from dynamo_ext.spmd import (
+        Mesh,
+        clear_sharding,
+        disable_manual_sharding,
+        enable_manual_sharding,
+        get_sharding,
+        mark_sharding,
+        with_sharding_constraint,
+    )
 
     mesh = Mesh(range(4), (2, 2), ("x", "y"))
     out: dict = {"table": [], "sweep": [], "rejected": []}
@@ -176,6 +184,20 @@ def _shards(rank: int, world: int) -> dict:
         for (e, full), x in zip(results, [t, t * 3])
     ]
     out["constrain_frames"] = backend.frame_count
+
+    # 4. manual sharding: work on this rank's tile by hand, then back to the global view
+    def manual(t):
+        local = enable_manual_sharding(t, ("y", "x"), mesh=mesh)
+        return local, disable_manual_sharding(local * 2, ("y", "x"), t.shape, mesh=mesh).full_tensor()
+
+    backend = CountingBackend()
+    t = torch.arange(35.0).reshape(7, 5)  # uneven both ways
+    tile = _reference_tile(t, (2, 2), mesh.get_coordinate(), [(1,), (0,)])
+    out["manual"] = [
+        (torch.equal(local, tile), torch.equal(full, t * 2))
+        for local, full in (manual(t), torch.compile(manual, backend=backend, fullgraph=True)(t))
+    ]
+    out["manual_frames"] = backend.frame_count
     return out
 
 
@@ -194,6 +216,7 @@ def test_local_shards_match_torch_xla_layout_eager_and_compiled():
         assert ((5, 3), (("x", "y"), None), True) in r["rejected"]
         assert r["constrain"] == [(("S(0)", "S(1)"), True, True)] * 2
         assert r["constrain_frames"] == 1
+        assert r["manual"] == [(True, True)] * 2 and r["manual_frames"] == 1
     assert len({str(r["rejected"]) for r in results}) == 1  # every rank refuses the same specs
 
 
