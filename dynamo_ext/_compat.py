@@ -132,3 +132,10 @@ def strided_shard_type() -> type:
     from torch.distributed.tensor import placement_types
 
     return placement_types._StridedShard
+
+
+def torch_dispatch_mode_base() -> type:
+    """``torch.utils._python_dispatch.TorchDispatchMode`` (the base of every dispatch mode, 2.11 to 2.15)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    return TorchDispatchMode

@@ -9,6 +9,7 @@ See ``docs/spmd.md`` for how each function of torch_xla's ``xla_sharding``
 module maps here.  Importing this package creates no process group.
 """
 
+from .batch_dim import analyze_batch_dims
 from .manual import disable_manual_sharding, enable_manual_sharding, get_global_mesh, set_global_mesh
 from .mesh import HybridMesh, Mesh, MeshShape, get_1d_mesh
 from .partition_spec import PartitionSpec
@@ -20,6 +21,7 @@ __all__ = [
     "MeshShape",
     "PartitionSpec",
     "ShardingSpec",
+    "analyze_batch_dims",
     "clear_sharding",
     "disable_manual_sharding",
     "enable_manual_sharding",
