@@ -240,8 +240,11 @@ def _train(rank: int, world: int) -> dict:
     def plain_loss(x, w1, w2):
         return (F.relu(x @ w1) @ w2).pow(2).mean()
 
-    def run(loss_fn):
-        w1, w2 = w1_init.clone().requires_grad_(), w2_init.clone().requires_grad_()
+    def run(loss_fn, sharded_params=False):
+        w1, w2 = w1_init.clone(), w2_init.clone()
+        if sharded_params:  # torch_xla's pattern: shard the parameters themselves (DTensor leaves)
+            w1, w2 = mark_sharding(w1, mesh, (None, "tp")), mark_sharding(w2, mesh, ("tp", None))
+        w1, w2 = torch.nn.Parameter(w1), torch.nn.Parameter(w2)
         opt = torch.optim.SGD([w1, w2], lr=0.1)
         losses, grads = [], []
         for x in batches:
@@ -249,9 +252,10 @@ def _train(rank: int, world: int) -> dict:
             loss = loss_fn(x, w1, w2)
             loss.backward()
             losses.append(loss.detach())
-            grads.append((type(w1.grad).__name__, w1.grad.clone(), w2.grad.clone()))
+            grads.append((type(w1.grad).__name__, clear_sharding(w1.grad), clear_sharding(w2.grad)))
             opt.step()
-        return losses, grads, (w1.detach(), w2.detach())
+        kept = (tuple(map(str, w1.placements)), tuple(map(str, w2.placements))) if sharded_params else None
+        return losses, grads, (clear_sharding(w1.detach()), clear_sharding(w2.detach())), kept
 
     frames = []
 
@@ -260,26 +264,42 @@ def _train(rank: int, world: int) -> dict:
         return torch._dynamo.backends.debugging.aot_eager(gm, inputs)
 
     reference = run(plain_loss)
-    eager = run(sharded_loss)
-    compiled = run(torch.compile(sharded_loss, backend=backend, fullgraph=True))
+    compiled_loss = torch.compile(sharded_loss, backend=backend, fullgraph=True)
+    runs = {
+        "eager": run(sharded_loss),
+        "compiled": run(compiled_loss),
+        "eager_sharded_params": run(sharded_loss, sharded_params=True),
+        "compiled_sharded_params": run(compiled_loss, sharded_params=True),
+    }
 
     def close(a, b):
-        la, ga, pa = a
-        lb, gb, pb = b
+        la, ga, pa, _ = a
+        lb, gb, pb, _ = b
         return {
             "loss": all(torch.allclose(x, y, atol=1e-5) for x, y in zip(la, lb)),
-            "grad_types": [g[0] for g in ga] == [g[0] for g in gb],
+            "grad_types": sorted({g[0] for g in ga}),
             "grads": all(
                 torch.allclose(x[1], y[1], atol=1e-5) and torch.allclose(x[2], y[2], atol=1e-5) for x, y in zip(ga, gb)
             ),
             "params": all(torch.allclose(x, y, atol=1e-5) for x, y in zip(pa, pb)),
         }
 
-    return {"eager": close(eager, reference), "compiled": close(compiled, reference), "frames": len(frames)}
+    out = {name: close(r, reference) for name, r in runs.items()}
+    out["placements_after_steps"] = runs["compiled_sharded_params"][3]
+    out["frames"] = len(frames)
+    return out
 
 
 def test_training_step_matches_one_device_eager_and_compiled():
     for r in run_on_ranks(_train, nproc=4):
-        assert r["eager"] == {"loss": True, "grad_types": True, "grads": True, "params": True}
-        assert r["compiled"] == {"loss": True, "grad_types": True, "grads": True, "params": True}
-        assert r["frames"] == 1  # one graph for three steps
+        for run in ("eager", "compiled"):
+            assert r[run] == {"loss": True, "grad_types": ["Tensor"], "grads": True, "params": True}, run
+            # parameters sharded with mark_sharding: DTensor gradients, the same numbers
+            assert r[f"{run}_sharded_params"] == {
+                "loss": True,
+                "grad_types": ["DTensor"],
+                "grads": True,
+                "params": True,
+            }
+        assert r["placements_after_steps"] == (("R", "S(1)"), ("R", "S(0)"))  # the optimizer keeps the layout
+        assert r["frames"] == 2  # one graph for plain parameters, one for DTensor parameters; three steps each
