@@ -309,3 +309,19 @@ def test_import_has_no_side_effects():
         "assert not dist.is_initialized() and not dynamo_ext.is_installed()\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_sharding_spec_argument_is_guarded_by_value(mesh):
+    backend = CountingBackend()
+
+    @torch.compile(backend=backend, fullgraph=True)
+    def fn(t, sharding):
+        return sharding.apply(t).to_local() if sharding.can_apply(t) else t
+
+    t = torch.ones(8, 4)
+    assert fn(t, ShardingSpec(mesh, ("x", None))).shape == (4, 4)
+    assert fn(t, ShardingSpec(mesh, ("x", None))).shape == (4, 4)  # an equal spec: no recompile
+    assert backend.frame_count == 1
+    assert fn(t, ShardingSpec(mesh, (None, "y"))).shape == (8, 2)
+    assert fn(t, ShardingSpec(mesh, (None,))).shape == (8, 4)  # cannot apply: returned as is
+    assert backend.frame_count == 3
