@@ -37,6 +37,7 @@ GlobalSource = _source.GlobalSource
 
 
 GetAttrVariable = _variables.GetAttrVariable
+TupleVariable = _variables.TupleVariable
 
 
 def current_tx() -> Any:
@@ -218,4 +219,21 @@ def wrap_fx_proxy(tx: Any, proxy: Any) -> Any:
 
 
 TensorVariable = _variables.TensorVariable
-TupleVariable = _variables.TupleVariable
+
+
+# ---- DTensor internals (spmd/) ----------------------------------------------
+def strided_shard_type() -> type:
+    """``torch.distributed.tensor.placement_types._StridedShard`` (private, present on 2.11 to 2.15).
+
+    The placement of a tensor dim sharded over several mesh axes out of mesh order.
+    """
+    from torch.distributed.tensor import placement_types
+
+    return placement_types._StridedShard
+
+
+def torch_dispatch_mode_base() -> type:
+    """``torch.utils._python_dispatch.TorchDispatchMode`` (the base of every dispatch mode, 2.11 to 2.15)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    return TorchDispatchMode

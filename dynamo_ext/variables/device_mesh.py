@@ -11,8 +11,33 @@ from __future__ import annotations
 
 from typing import Any
 
-from .. import guards
-from .base import DistributedObjectVariable, wrap_constant
+from .. import _compat, guards
+from .base import DistributedObjectVariable, const_args, raise_user_error, wrap_constant
+
+
+class CallableTupleVariable(_compat.TupleVariable):
+    """A constant tuple that can also be called, such as ``dynamo_ext.spmd.Mesh.shape``.
+
+    Indexing, unpacking and ``==`` behave as for the tuple; a call runs the real
+    object's ``__call__`` at trace time on constant arguments (the value is an
+    attribute of a guarded mesh, so the result is constant too).
+    """
+
+    _nonvar_fields = {"callable_tuple", *_compat.TupleVariable._nonvar_fields}
+
+    def __init__(self, value: Any, **kwargs: Any) -> None:
+        super().__init__([_compat.ConstantVariable.create(v) for v in value], **kwargs)
+        self.callable_tuple = value
+
+    def call_function(self, tx: Any, args: list[Any], kwargs: dict[str, Any]) -> Any:
+        consts = const_args(args, kwargs)
+        if consts is None:
+            return super().call_function(tx, args, kwargs)
+        try:
+            result = self.callable_tuple(*consts[0], **consts[1])
+        except Exception as e:
+            raise_user_error(tx, e)
+        return wrap_constant(tx, result)
 
 
 class DeviceMeshVariable(DistributedObjectVariable):
@@ -43,6 +68,9 @@ class DeviceMeshVariable(DistributedObjectVariable):
 
             layout = wrap_constant(tx, self.value.mesh.tolist())
             return wrap_constant(tx, torch.tensor).call_function(tx, [layout], {})
+        if name == "shape" and type(self.value.shape) is not tuple and callable(self.value.shape):
+            # A DeviceMesh subclass whose shape is also callable (dynamo_ext.spmd.Mesh: torch_xla's shape()).
+            return CallableTupleVariable(self.value.shape)
         return super().var_getattr(tx, name)
 
 

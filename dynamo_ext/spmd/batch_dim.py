@@ -1,0 +1,150 @@
+"""Batch-dimension analysis of a traced step: the data-parallel layout of every node.
+
+torch 2.1's data-parallel compiler (``torch.distributed._spmd``, removed
+since) inferred the batch dim of every node of a traced training step with a
+``BatchDimAnalyzer`` of hand-written rules.  Here the rules are DTensor's own
+sharding propagation: the graph runs once on DTensors over the
+data-parallel mesh, with inputs sharded on their batch dim and everything
+else replicated, under ``FakeTensorMode`` (no compute, no memory).  Each
+node's output placement is its layout:
+
+- ``Shard(d)``: dim ``d`` of this value is the batch dim (followed through
+  views, reshapes, permutes and pointwise ops by DTensor's view and op rules);
+- ``Replicate()``: no batch dim (parameters, constants, values made from them);
+- ``Partial(op)``: a reduction over the batch (``sum``, ``avg``), such as a
+  mean loss or a parameter gradient: the value every rank needs is the
+  all-reduce of the local ones.
+
+A node that DTensor can only compute by communicating (an all-gather of the
+batch, for instance a ``cumsum`` along it or indexing one sample) has no
+data-parallel layout: :func:`analyze_batch_dims` raises a ``ValueError``
+naming the node.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.fx
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.experimental import implicit_replication
+
+from .. import _compat
+
+log = logging.getLogger(__name__)
+
+_COLLECTIVE_NAMESPACES = frozenset({"_c10d_functional", "c10d_functional", "_c10d_functional_autograd", "c10d"})
+
+
+class _CollectiveRecorder(_compat.torch_dispatch_mode_base()):
+    """Records the collectives dispatched under it (DTensor's redistributions)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.collectives: list[str] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if any(issubclass(t, DTensor) for t in types):
+            # Modes run before tensor subclasses: step aside so DTensor desugars the op
+            # into local ops and collectives, which then come back here (as CommDebugMode does).
+            return NotImplemented
+        name = getattr(func, "__name__", "").split(".")[0]
+        if getattr(func, "namespace", None) in _COLLECTIVE_NAMESPACES and name != "wait_tensor":
+            self.collectives.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+class _LayoutInterpreter(torch.fx.Interpreter):
+    def __init__(self, gm: torch.fx.GraphModule, mesh: Any) -> None:
+        super().__init__(gm)
+        self.mesh = mesh
+        self.layouts: dict[str, Any] = {}
+
+    def run_node(self, n: torch.fx.Node) -> Any:
+        with _CollectiveRecorder() as recorder:
+            try:
+                out = super().run_node(n)
+            except RuntimeError as e:  # DTensor has no rule that keeps the batch sharding here
+                first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+                raise ValueError(
+                    f"the batch dim of node {n.name!r} ({n.format_node()}) cannot be inferred: DTensor cannot "
+                    f"follow the batch sharding through it ({first_line})"
+                ) from e
+        if recorder.collectives:
+            raise ValueError(
+                f"the batch dim of node {n.name!r} ({n.format_node()}) cannot be inferred: with the inputs sharded on "
+                f"their batch dims, computing it needs communication ({', '.join(recorder.collectives)}), so it "
+                "mixes samples of the batch. "
+                "Move this computation out of the data-parallel step, or give the input it comes from no batch dim."
+            )
+        self.layouts[n.name] = _layout(out, self.mesh)
+        return out
+
+
+def _layout(value: Any, mesh: Any) -> Any:
+    if isinstance(value, DTensor):
+        return value.placements[0]
+    if isinstance(value, torch.Tensor):
+        return Replicate()  # computed from no batch-sharded input
+    if isinstance(value, list | tuple):
+        return tuple(_layout(v, mesh) for v in value)
+    return None
+
+
+def analyze_batch_dims(
+    gm: torch.fx.GraphModule, example_inputs: Sequence[Any], input_batch_dims: Sequence[int | None], mesh: Any
+) -> dict[str, Any]:
+    """The data-parallel layout of every node of ``gm`` (see the module docstring).
+
+    Args:
+        gm: an FX graph of ATen ops, e.g. from ``make_fx`` or AOTAutograd (forward,
+            loss, backward in one graph, or any part of them).
+        example_inputs: one value per placeholder, as global (unsharded) tensors;
+            only their shapes, dtypes and devices are used.
+        input_batch_dims: per placeholder, the dim that is the batch, or ``None``
+            for inputs without one (parameters, optimizer state).
+        mesh: the 1-D data-parallel ``DeviceMesh``.
+
+    Returns:
+        Node name to layout: a placement (``Shard(d)``, ``Replicate()``,
+        ``Partial(op)``) for tensor nodes, a tuple of them for nodes returning
+        several tensors, ``None`` for non-tensor nodes; ``output`` maps to the
+        tuple of the graph's outputs' layouts.
+
+    Raises:
+        ValueError: ``mesh`` is not 1-D; the numbers of inputs, batch dims and
+            placeholders differ; a batch dim is out of range; a node has no
+            data-parallel layout (the message names it).
+    """
+    if mesh.ndim != 1:
+        raise ValueError(f"analyze_batch_dims needs a 1-D data-parallel mesh, got a {mesh.ndim}-D mesh {mesh}")
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    if not len(example_inputs) == len(input_batch_dims) == len(placeholders):
+        raise ValueError(
+            f"got {len(example_inputs)} example inputs and {len(input_batch_dims)} batch dims for a graph of "
+            f"{len(placeholders)} placeholders; give one of each per placeholder"
+        )
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    args = []
+    with mode:
+        for node, value, dim in zip(placeholders, example_inputs, input_batch_dims):
+            if not isinstance(value, torch.Tensor):
+                args.append(value)
+                continue
+            fake = mode.from_tensor(value)
+            if dim is not None and not -value.ndim <= dim < value.ndim:
+                raise ValueError(
+                    f"batch dim {dim} of input {node.name!r} is out of range for its shape {tuple(value.shape)}"
+                )
+            placement = Replicate() if dim is None else Shard(dim % value.ndim)
+            args.append(distribute_tensor(fake, mesh, [placement], src_data_rank=None))
+        interpreter = _LayoutInterpreter(gm, mesh)
+        with implicit_replication():  # constants of the graph are plain tensors: no batch dim
+            interpreter.run(*args)
+    log.debug("batch dims of %d nodes: %s", len(interpreter.layouts), interpreter.layouts)
+    return interpreter.layouts

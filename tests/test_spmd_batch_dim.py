@@ -1,0 +1,112 @@
+"""Batch-dim analysis (dynamo_ext.spmd.batch_dim) of make_fx graphs of training steps, on the fake process group."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from dynamo_ext.spmd.batch_dim import analyze_batch_dims
+
+
+@pytest.fixture
+def dp(world):
+    return init_device_mesh("cpu", (4,))
+
+
+def _grads_step(loss_fn):
+    """forward + loss + backward (``autograd.grad``) as one function of (inputs..., params...)."""
+
+    def step(*args):
+        loss, params = loss_fn(*args)
+        return (loss, *torch.autograd.grad(loss, params))
+
+    return step
+
+
+def _layouts(fn, args, dims, mesh):
+    return analyze_batch_dims(make_fx(fn)(*args), args, dims, mesh)
+
+
+def test_mlp_step_activations_follow_the_batch_loss_and_grads_are_partial(dp):
+    def mlp(x, y, w1, w2):
+        return F.mse_loss(F.relu(x @ w1) @ w2, y), (w1, w2)
+
+    g = torch.Generator().manual_seed(0)
+    args = [torch.randn(8, 6, generator=g), torch.randn(8, 3, generator=g)]
+    args += [torch.randn(6, 5, generator=g, requires_grad=True), torch.randn(5, 3, generator=g, requires_grad=True)]
+    layouts = _layouts(_grads_step(mlp), args, [0, 0, None, None], dp)
+    assert [layouts[n] for n in ("mm", "relu", "mm_1")] == [Shard(0)] * 3  # activations: batch on dim 0
+    assert layouts["output"] == (Partial("avg"), Partial("sum"), Partial("sum"))  # mean loss, summed grads
+    assert [v for k, v in layouts.items() if k.startswith("t")].count(Shard(1)) == 2  # x.t() and relu.t()
+
+
+def test_views_permutes_and_reductions(dp):
+    def fn(x):
+        heads = x.reshape(8, 2, 3).permute(1, 0, 2)  # the batch moves to dim 1
+        return heads, heads.sum(2), x.sum(0), x.mean(), x.amax(1)
+
+    layouts = _layouts(fn, [torch.randn(8, 6)], [0], dp)
+    assert layouts["output"] == (Shard(1), Shard(1), Partial("sum"), Partial("avg"), Shard(0))
+
+
+def test_attention_block_keeps_the_batch_through_heads(dp):
+    def attention(x, wq, wk, wv):
+        b, t, c = x.shape
+
+        def heads(w):
+            return (x @ w).reshape(b, t, 2, c // 2).transpose(1, 2)
+
+        att = torch.softmax(heads(wq) @ heads(wk).transpose(-1, -2) / 2.0, dim=-1)
+        y = (att @ heads(wv)).transpose(1, 2).reshape(b, t, c)
+        return y.pow(2).mean(), (wq, wk, wv)
+
+    g = torch.Generator().manual_seed(0)
+    args = [torch.randn(4, 5, 8, generator=g)] + [torch.randn(8, 8, generator=g, requires_grad=True) for _ in range(3)]
+    layouts = _layouts(_grads_step(attention), args, [0, None, None, None], dp)
+    assert layouts["output"] == (Partial("avg"), Partial("sum"), Partial("sum"), Partial("sum"))
+    assert layouts["_softmax"] == Shard(0)
+
+
+def test_conv_net_step(dp):
+    def conv(x, w, b):
+        return F.conv2d(x, w, b, padding=1).relu().mean(), (w, b)
+
+    g = torch.Generator().manual_seed(0)
+    args = [torch.randn(8, 3, 6, 6, generator=g), torch.randn(4, 3, 3, 3, generator=g, requires_grad=True)]
+    args.append(torch.randn(4, generator=g, requires_grad=True))
+    layouts = _layouts(_grads_step(conv), args, [0, None, None], dp)
+    assert layouts["convolution"] == Shard(0)
+    assert layouts["output"][0] == Partial("avg") and all(p.is_partial() for p in layouts["output"][1:])
+
+
+def test_parameters_alone_have_no_batch_dim(dp):
+    layouts = _layouts(lambda x, w: (x * 2, w * 2), [torch.randn(8, 2), torch.randn(2)], [0, None], dp)
+    assert layouts["output"] == (Shard(0), Replicate())
+
+
+@pytest.mark.parametrize(
+    "fn, node",
+    [
+        (lambda x: x.cumsum(0), "cumsum"),  # mixes samples
+        (lambda x: x[0] * 2, "select"),  # one sample
+        (lambda x: x.sort(0)[0], "sort"),
+        (lambda x: x.reshape(6, 8), "view"),  # the batch split across dims unevenly
+    ],
+)
+def test_node_without_a_batch_dim_is_named(dp, fn, node):
+    with pytest.raises(ValueError, match=rf"the batch dim of node '{node}' \(%{node} : .*cannot be inferred"):
+        _layouts(fn, [torch.randn(8, 6)], [0], dp)
+
+
+def test_bad_arguments(dp):
+    gm = make_fx(lambda x: x + 1)(torch.randn(8, 6))
+    with pytest.raises(ValueError, match="got 1 example inputs and 2 batch dims for a graph of 1 placeholders"):
+        analyze_batch_dims(gm, [torch.randn(8, 6)], [0, None], dp)
+    with pytest.raises(ValueError, match=r"batch dim 2 of input 'x_1' is out of range for its shape \(8, 6\)"):
+        analyze_batch_dims(gm, [torch.randn(8, 6)], [2], dp)
+    with pytest.raises(ValueError, match="needs a 1-D data-parallel mesh"):
+        analyze_batch_dims(gm, [torch.randn(8, 6)], [0], init_device_mesh("cpu", (2, 2)))
