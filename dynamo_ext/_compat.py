@@ -72,6 +72,12 @@ def compiled_autograd(compiler: Any) -> Any:
     return ca._enable(compiler)
 
 
+def inside_higher_order_op(tx: Any) -> bool:
+    """Whether ``tx`` traces the body of a higher-order op (checkpoint, cond, ...): a nested subtracer."""
+    tracer = getattr(getattr(tx, "output", None), "current_tracer", None)
+    return getattr(tracer, "parent", None) is not None
+
+
 def in_compiled_autograd_region() -> bool:
     """Whether a compiled-autograd graph is running now (``compiled_autograd.in_compiled_autograd_region``)."""
     from torch._dynamo import compiled_autograd as ca

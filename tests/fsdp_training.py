@@ -20,33 +20,38 @@ HIDDEN, INNER = 10, 6  # 10 rows over 4 ranks: 3, 3, 3, 1; 6 rows: 2, 2, 2, 0 (F
 
 
 class Block(nn.Module):
-    def __init__(self, hidden: int = HIDDEN, inner: int = INNER) -> None:
+    def __init__(self, hidden: int = HIDDEN, inner: int = INNER, checkpoint: bool = False) -> None:
         super().__init__()
         self.up = nn.Linear(hidden, inner)
         self.down = nn.Linear(inner, hidden)
+        self.checkpoint = checkpoint
+
+    def mlp(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.relu(self.up(x)))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.down(torch.relu(self.up(x)))
+        if self.checkpoint:
+            return x + torch.utils.checkpoint.checkpoint(self.mlp, x, use_reentrant=False)
+        return x + self.mlp(x)
 
 
 class Net(nn.Module):
     """``[B, hidden] -> [B, hidden]``: an input projection, 2 residual blocks, an output projection."""
 
-    def __init__(
-        self, *, tied: bool = False, checkpoint: bool = False, hidden: int = HIDDEN, inner: int = INNER
-    ) -> None:
+    def __init__(self, *, tied: bool = False, checkpoint: str = "", hidden: int = HIDDEN, inner: int = INNER) -> None:
         super().__init__()
         self.inp = nn.Linear(hidden, hidden, bias=False)
-        self.blocks = nn.ModuleList([Block(hidden, inner), Block(hidden, inner)])
+        inside = checkpoint == "inside"  # activation checkpointing inside each block, or "outside" around it
+        self.blocks = nn.ModuleList([Block(hidden, inner, inside), Block(hidden, inner, inside)])
         self.out = nn.Linear(hidden, hidden, bias=False)
         if tied:
             self.out.weight = self.inp.weight
-        self.checkpoint = checkpoint
+        self.checkpoint_outside = checkpoint == "outside"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.inp(x)
         for block in self.blocks:
-            if self.checkpoint:
+            if self.checkpoint_outside:
                 h = torch.utils.checkpoint.checkpoint(block, h, use_reentrant=False)
             else:
                 h = block(h)
@@ -60,7 +65,7 @@ def build(
     reshard: bool | int = True,
     mp: tuple[torch.dtype, torch.dtype] | None = None,
     tied: bool = False,
-    checkpoint: bool = False,
+    checkpoint: str = "",
     tp: bool = False,
     divide_factor: float | None = None,
     force_sum: bool = False,

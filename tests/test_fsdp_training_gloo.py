@@ -32,9 +32,18 @@ TRACED = {
     "divide_factor": {"divide_factor": 2.0, "force_sum": True},
     "accumulate": {"accumulate": 2},
     "fsdp_over_tp": {"tp": True},
+    "checkpoint_inside": {"checkpoint": "inside"},  # torch.utils.checkpoint inside each FSDP2 block
 }
 # Compiled autograd on the configurations whose backward differs most (keeps the file's runtime down).
-UNDER_COMPILED_AUTOGRAD = ("root_only", "nested", "reshard_false", "mixed_precision", "accumulate", "fsdp_over_tp")
+UNDER_COMPILED_AUTOGRAD = (
+    "root_only",
+    "nested",
+    "reshard_false",
+    "mixed_precision",
+    "accumulate",
+    "fsdp_over_tp",
+    "checkpoint_inside",
+)
 FP32_TOL, BF16_TOL = 1e-5, 2e-2
 
 
@@ -86,18 +95,24 @@ def test_fsdp2_training_matches_eager(compiled_autograd):
                 assert r["bwd_graphs"] == (2 if name == "accumulate" else 1), where
 
 
+UNTRACED = {
+    "no_sync": {"accumulate": 2, "no_sync": True, "fullgraph": False},
+    "checkpoint_outside": {"checkpoint": "outside", "fullgraph": False},
+}
+
+
 def _untraced(rank: int, world: int) -> dict[str, Any]:
     import dynamo_ext._compat as compat
     from dynamo_ext import graph_breaks
 
-    cfg = {"accumulate": 2, "no_sync": True, "fullgraph": False}
-    net = build(world, **cfg)
-    eager = train(net, net, rank, **cfg)
-    run = _train_compiled(rank, world, cfg, compiled_autograd=False)
-    out = {"no_sync": {**diff(eager, run.pop("record")), **run}}
-    out["no_sync_break_types"] = sorted(
-        {k.split("\n")[0] for k in compat.dynamo_counters()["graph_break"] if graph_breaks.FSDP_UNTRACED.gb_type in k}
-    )
+    out: dict[str, Any] = {}
+    # no-sync gradient accumulation; an FSDP2 block called inside torch.utils.checkpoint
+    for name, cfg in UNTRACED.items():
+        net = build(world, **cfg)
+        eager = train(net, net, rank, **cfg)
+        run = _train_compiled(rank, world, cfg, compiled_autograd=False)
+        ours = [k for k in compat.dynamo_counters()["graph_break"] if graph_breaks.FSDP_UNTRACED.gb_type in k]
+        out[name] = {**diff(eager, run.pop("record")), **run, "fsdp_untraced_breaks": len(ours)}
     # Compiled autograd meeting FSDP2's eager hooks: a forward not compiled (stock's silent failure), and
     # a forward that broke the graph at a setting the plugin does not trace.
     errors = {}
@@ -120,10 +135,10 @@ def _untraced(rank: int, world: int) -> dict[str, Any]:
 
 def test_untraced_fsdp2_settings_run_fsdp2_hooks_eagerly_or_refuse_compiled_autograd():
     for rank, r in enumerate(run_on_ranks(_untraced, nproc=4)):
-        no_sync = r["no_sync"]
-        assert no_sync["grads"] <= FP32_TOL and no_sync["params"] <= FP32_TOL, (rank, no_sync)
-        assert no_sync["grad_kinds_match"] and no_sync["breaks"] > 0, (rank, no_sync)
-        assert r["no_sync_break_types"], r
+        for name in UNTRACED:
+            run = r[name]
+            assert run["grads"] <= FP32_TOL and run["params"] <= FP32_TOL, (rank, name, run)
+            assert run["grad_kinds_match"] and run["fsdp_untraced_breaks"] > 0, (rank, name, run)
         for name, message in r["errors"].items():
             assert message is not None, f"rank {rank}: {name}: compiled autograd ran FSDP2's eager hooks silently"
             assert "ran under compiled autograd" in message and "dynamo_ext installed" in message, message

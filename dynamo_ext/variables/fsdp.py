@@ -232,6 +232,14 @@ def _check_state(tx: Any, args: list[Any], kwargs: dict[str, Any]) -> None:
         )
     if getattr(state, "_is_root", False) is None:
         state._lazy_init()
+    if _compat.inside_higher_order_op(tx):
+        # The hooks set the module's parameters: a side effect Dynamo refuses inside a
+        # higher-order op body (activation checkpointing replays its region in backward).
+        graph_breaks.graph_break(
+            graph_breaks.FSDP_UNTRACED,
+            "an FSDP2 module called inside torch.utils.checkpoint (or another higher-order op); "
+            "checkpoint inside the FSDP2 module instead (around its submodules' compute)",
+        )
     install_spec_guard(args[0].source, CONFIG_GUARD)
     # One decision for the whole FSDP tree: traced hooks and eager FSDP2 hooks
     # do not mix within one backward (the eager root would not queue its callback).
