@@ -8,7 +8,7 @@ On ``--nproc`` gloo ranks (torch's elastic launcher), the same 2-block model
 in the same processes:
 
 - ``eager``: eager FSDP2;
-- ``stock``: ``torch.compile(model, backend="aot_eager")`` without the plugin,
+- ``stock``: ``torch.compile(model, backend=--backend)`` without the plugin,
   backward eager (stock breaks the graph at FSDP2's hooks; under compiled
   autograd it leaves gradients unreduced, so it is not run that way);
 - ``plugin``: the same with ``dynamo_ext.install()``, backward eager;
@@ -42,15 +42,15 @@ from fsdp_training import batch, build, saved_bytes  # noqa: E402
 ROWS = 32
 
 
-def _counting(counts: list[int]) -> Any:
+def _counting(counts: list[int], name: str) -> Any:
     def backend(gm: Any, example_inputs: Any) -> Any:
         counts.append(1)
-        return torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
+        return torch._dynamo.lookup_backend(name)(gm, example_inputs)
 
     return backend
 
 
-def _one_way(rank: int, world: int, way: str, steps: int, hidden: int) -> dict[str, Any]:
+def _one_way(rank: int, world: int, way: str, steps: int, hidden: int, backend: str) -> dict[str, Any]:
     import dynamo_ext
     from dynamo_ext import _compat
 
@@ -62,13 +62,13 @@ def _one_way(rank: int, world: int, way: str, steps: int, hidden: int) -> dict[s
         fwd: list[int] = []
         bwd: list[int] = []
         net = build(world, hidden=hidden, inner=2 * hidden)
-        model = net if way == "eager" else torch.compile(net, backend=_counting(fwd))
+        model = net if way == "eager" else torch.compile(net, backend=_counting(fwd, backend))
         opt = torch.optim.SGD(net.parameters(), lr=1e-3)
 
         def step(i: int) -> None:
             loss = model(batch(rank, i, rows=ROWS, hidden=hidden)).pow(2).mean()
             if way == "plugin+CA":
-                with _compat.compiled_autograd(torch.compile(backend=_counting(bwd), fullgraph=True)):
+                with _compat.compiled_autograd(torch.compile(backend=_counting(bwd, backend), fullgraph=True)):
                     loss.backward()
             else:
                 loss.backward()
@@ -87,7 +87,7 @@ def _one_way(rank: int, world: int, way: str, steps: int, hidden: int) -> dict[s
         recompiles = len(fwd) + len(bwd) - graphs_after_first
         params = [p.to_local().detach().clone() for p in net.parameters()]
         mem_net = build(world, hidden=hidden, inner=2 * hidden)
-        mem_model = mem_net if way == "eager" else torch.compile(mem_net, backend="aot_eager")
+        mem_model = mem_net if way == "eager" else torch.compile(mem_net, backend=backend)
         mem = saved_bytes(mem_net, mem_model, batch(rank, 0, rows=ROWS, hidden=hidden))
         return {
             "steps/s": statistics.median(rates),
@@ -101,12 +101,14 @@ def _one_way(rank: int, world: int, way: str, steps: int, hidden: int) -> dict[s
             dynamo_ext.uninstall()
 
 
-def _rank_main(steps: int, hidden: int) -> dict[str, Any]:
+def _rank_main(steps: int, hidden: int, backend: str) -> dict[str, Any]:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     try:
         rank, world = dist.get_rank(), dist.get_world_size()
-        out = {way: _one_way(rank, world, way, steps, hidden) for way in ("eager", "stock", "plugin", "plugin+CA")}
+        out = {
+            way: _one_way(rank, world, way, steps, hidden, backend) for way in ("eager", "stock", "plugin", "plugin+CA")
+        }
         ref = out["eager"]["params"]
         for r in out.values():
             r["param_diff"] = max(float((a - b).abs().max()) if a.numel() else 0.0 for a, b in zip(ref, r["params"]))
@@ -127,6 +129,7 @@ def main() -> None:
     parser.add_argument("--nproc", type=int, default=4)
     parser.add_argument("--steps", type=int, default=20, help="steps per timed round (3 rounds)")
     parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--backend", default="aot_eager", help="aot_eager (per-parameter collectives) or inductor")
     args = parser.parse_args()
     from rich.console import Console
     from rich.table import Table
@@ -143,9 +146,11 @@ def main() -> None:
         max_restarts=0,
         start_method="spawn",
     )
-    results = elastic_launch(config, _rank_main)(args.steps, args.hidden)
+    results = elastic_launch(config, _rank_main)(args.steps, args.hidden, args.backend)
     r0 = results[0]
-    table = Table(title=f"FSDP2 training, {args.nproc} gloo ranks, torch {torch.__version__}, hidden {args.hidden}")
+    table = Table(
+        title=f"FSDP2 training, {args.nproc} gloo ranks, torch {torch.__version__}, {args.backend}, hidden {args.hidden}"
+    )
     for col in (
         "way",
         "steps/s (rank 0)",

@@ -10,7 +10,10 @@ down; the same plan as transformers' ``base_model_tp_plan``), then sharded
 over "dp" with FSDP2 ``fully_shard`` per layer and at the root.  One step: the
 compiled model runs forward and loss, ``loss.backward()`` runs eagerly (or
 under compiled autograd with ``DYNAMO_EXT_EXAMPLE_COMPILED_AUTOGRAD=1``, which
-torch 2.13 cannot do for this model yet), the optimizer steps eagerly.
+torch 2.13 cannot do for this model yet), the optimizer steps eagerly.  The
+same step also runs eagerly on a second copy of the model, and the example
+fails (``RuntimeError`` naming the parameter) unless the compiled step's loss
+and gradients (placements and local shards) match it.
 
 Knobs: ``DYNAMO_EXT_EXAMPLE_BACKEND`` (default ``aot_eager``),
 ``DYNAMO_EXT_EXAMPLE_COMPILED_AUTOGRAD=1`` to trace the backward.
@@ -64,7 +67,7 @@ def build(mesh):
 def main() -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
-    from dynamo_ext.audit.example_llama import compiled_backward
+    from dynamo_ext.audit.example_llama import check_against_eager, compiled_backward
 
     dist.init_process_group("gloo")
     if dist.get_world_size() != 4:
@@ -75,6 +78,7 @@ def main() -> None:
     trace_backward = os.environ.get("DYNAMO_EXT_EXAMPLE_COMPILED_AUTOGRAD", "0") == "1"
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     model, config = build(mesh)
+    reference, _ = build(mesh)  # the same step, eagerly, to check the compiled one
     optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
     compiled = torch.compile(model, backend=backend)
 
@@ -83,6 +87,9 @@ def main() -> None:
     loss = compiled(input_ids=input_ids, labels=input_ids).loss
     with compiled_backward(backend, enabled=trace_backward):
         loss.backward()
+    ref_loss = reference(input_ids=input_ids, labels=input_ids).loss
+    ref_loss.backward()
+    check_against_eager(model, reference, loss, ref_loss)  # raises, naming the first gradient that differs
     optim.step()
     optim.zero_grad()
     if dist.get_rank() == 0:
