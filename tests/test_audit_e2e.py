@@ -225,18 +225,22 @@ def test_unknown_module_and_function():
 
 @pytest.mark.gloo
 @pytest.mark.parametrize(
-    ("mode", "status", "message"),
+    ("mode", "status", "message", "timeout"),
     [
-        ("raise", "error", "rank 1 raised ValueError: rank 1 refuses (at tests/audit_targets/misbehaves.py:"),
-        ("die", "died", "rank 1 ended without finishing (exit code 7)"),
-        ("hang", "timeout", "timeout: rank(s)"),
+        # raise and die end by themselves: a timeout they never reach (a loaded 2-core machine can take over
+        # 20 s to start two ranks); hang waits for it, long enough for both ranks to reach the print break.
+        ("raise", "error", "rank 1 raised ValueError: rank 1 refuses (at tests/audit_targets/misbehaves.py:", 240),
+        ("die", "died", "rank 1 ended without finishing (exit code 7)", 240),
+        ("hang", "timeout", "timeout: rank(s)", 45),
     ],
 )
-def test_rank_failures(mode, status, message):
+def test_rank_failures(mode, status, message, timeout):
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "partial.json")
         proc = cli(
-            "--nproc", "2", "--quiet", "--timeout", "20", "--json", out, str(MISBEHAVES.relative_to(REPO)), "--", mode
+            *("--nproc", "2", "--quiet", "--timeout", str(timeout), "--json", out),
+            *(str(MISBEHAVES.relative_to(REPO)), "--", mode),
+            timeout=timeout + 60,
         )
         assert proc.returncode == 2, proc.stderr
         lines = proc.stderr.strip().splitlines()
