@@ -1,6 +1,6 @@
 """Audit Hugging Face transformers' LlamaForCausalLM under TP + FSDP2 on 4 gloo ranks.
 
-    pip install transformers
+    pip install -e ".[examples]"        # transformers
     dynamo-ext audit --nproc 4 --compare-stock examples/hf_llama_audit.py
 
 The model comes from a tiny ``LlamaConfig`` with random weights (nothing is
@@ -31,7 +31,7 @@ def build(mesh):
     try:
         from transformers import LlamaConfig, LlamaForCausalLM
     except ImportError as e:
-        raise SystemExit("examples/hf_llama_audit.py needs transformers: pip install transformers") from e
+        raise SystemExit('examples/hf_llama_audit.py needs transformers: pip install -e ".[examples]"') from e
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 

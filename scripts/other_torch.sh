@@ -40,8 +40,8 @@ if [[ "$have" != "$version" ]]; then
     echo "== installing torch==$version into $venv"
     PIP_CONFIG_FILE=/dev/null "$py" -m pip install --progress-bar off "torch==$version"
 fi
-if ! "$py" -c 'import pytest, expecttest, hypothesis, rich' 2>/dev/null; then
-    "$py" -m pip install --progress-bar off pytest expecttest hypothesis rich
+if ! "$py" -c 'import pytest, expecttest, hypothesis, rich, numpy' 2>/dev/null; then
+    "$py" -m pip install --progress-bar off pytest expecttest hypothesis rich numpy
 fi
 # Always (re)link the editable install: the venv may have been made from another checkout.
 # The build leaves dynamo_ext.egg-info/ in the work tree; remove it unless it was there before.

@@ -163,6 +163,47 @@ def test_html_renders_in_headless_chromium(known_run):
     assert f'data-break-rows="{rows}"' in dom
 
 
+# ---- library warnings: in the rank logs, one summary line for the command's own process -------
+@pytest.mark.gloo
+def test_library_warnings_go_to_rank_logs_not_the_terminal(tmp_path):
+    out = tmp_path / "noisy.json"
+    proc = cli("--nproc", "2", "--keep-logs", "--json", str(out), "tests.audit_targets.noisy:main")
+    data = json.loads(out.read_text()) if out.exists() else {"ranks": []}
+    logs = [Path(r["log"]) for r in data["ranks"] if r["log"]]
+    try:
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert "warning on rank" not in proc.stderr + proc.stdout
+        # Raised in the command's process (it imports the target to check it): summarised once, at the end.
+        line = marker_line(TARGETS / "noisy.py", 'warnings.warn("noisy target: warning at import"')
+        assert proc.stderr.strip().splitlines() == [
+            "dynamo-ext audit: note: library warning, not shown where raised: UserWarning: noisy target: warning at "
+            f"import (noisy.py:{line}); python -W default shows them"
+        ]
+        assert len(logs) == 2
+        for r, log in zip((0, 1), logs, strict=True):
+            text = log.read_text()
+            assert f"noisy target: warning on rank {r}" in text and "noisy target: warning at import" in text, text
+    finally:
+        for log in logs:
+            work = next(p for p in log.parents if p.name.startswith("dynamo-ext-audit-"))
+            shutil.rmtree(work, ignore_errors=True)
+
+
+def test_warning_summary_names_the_first_and_counts_the_rest():
+    import warnings
+
+    from dynamo_ext.audit.cli import warning_summary
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        warnings.warn("first\n  of two", DeprecationWarning, stacklevel=1)
+        warnings.warn("second", UserWarning, stacklevel=1)
+    assert warning_summary(caught) == (
+        "dynamo-ext audit: note: library warning, not shown where raised: DeprecationWarning: first of two "
+        f"(test_audit_e2e.py:{caught[0].lineno}); 1 more; python -W default shows them"
+    )
+
+
 # ---- bad input: one line, non-zero exit, partial report, no stray processes ----------------
 def test_missing_file():
     proc = cli("no/such/script.py")
@@ -184,18 +225,22 @@ def test_unknown_module_and_function():
 
 @pytest.mark.gloo
 @pytest.mark.parametrize(
-    ("mode", "status", "message"),
+    ("mode", "status", "message", "timeout"),
     [
-        ("raise", "error", "rank 1 raised ValueError: rank 1 refuses (at tests/audit_targets/misbehaves.py:"),
-        ("die", "died", "rank 1 ended without finishing (exit code 7)"),
-        ("hang", "timeout", "timeout: rank(s)"),
+        # raise and die end by themselves: a timeout they never reach (a loaded 2-core machine can take over
+        # 20 s to start two ranks); hang waits for it, long enough for both ranks to reach the print break.
+        ("raise", "error", "rank 1 raised ValueError: rank 1 refuses (at tests/audit_targets/misbehaves.py:", 240),
+        ("die", "died", "rank 1 ended without finishing (exit code 7)", 240),
+        ("hang", "timeout", "timeout: rank(s)", 45),
     ],
 )
-def test_rank_failures(mode, status, message):
+def test_rank_failures(mode, status, message, timeout):
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "partial.json")
         proc = cli(
-            "--nproc", "2", "--quiet", "--timeout", "20", "--json", out, str(MISBEHAVES.relative_to(REPO)), "--", mode
+            *("--nproc", "2", "--quiet", "--timeout", str(timeout), "--json", out),
+            *(str(MISBEHAVES.relative_to(REPO)), "--", mode),
+            timeout=timeout + 60,
         )
         assert proc.returncode == 2, proc.stderr
         lines = proc.stderr.strip().splitlines()

@@ -86,9 +86,10 @@ def _cases(rank: int, sub) -> dict:
         y = t.clone()
         work = dist.all_reduce(y, async_op=True)
         z = t * 3
-        before = work.is_completed()
+        # Traced, but not compared: in eager, gloo may or may not have finished by now (timing-dependent).
+        work.is_completed()
         work.wait()
-        return y + z, before, work.is_completed()
+        return y + z, work.is_completed()
 
     def all_reduce_outside_group(t):
         y = t.clone()

@@ -9,7 +9,8 @@ The command line (``dynamo-ext audit``, :mod:`.cli`) runs a script or a
 ``module:function`` on N ranks with torch's launcher; see docs/audit.md.
 """
 
-from .api import audit
+from typing import Any
+
 from .diff import BreakDiff, diff_reports, gate
 from .records import AuditReport, Frame, Graph, GraphBreak, RankSummary, Recompile, load_report, report_from_json
 
@@ -27,3 +28,13 @@ __all__ = [
     "load_report",
     "report_from_json",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    # ``audit`` imports torch; loading it lazily keeps ``import dynamo_ext.audit.cli`` free of torch, so the
+    # command imports torch inside main(), where it decides what happens to library warnings (cli.py).
+    if name == "audit":
+        from .api import audit
+
+        return audit
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

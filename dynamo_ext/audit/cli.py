@@ -12,10 +12,14 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import logging
 import os
 import sys
+import warnings
 
 from rich.console import Console
+
+logger = logging.getLogger(__name__)
 
 EXIT_OK, EXIT_GATE, EXIT_ERROR = 0, 1, 2
 DEFAULT_TARGET = "dynamo_ext.audit.example_llama:main"
@@ -186,8 +190,40 @@ def _diff(argv: list[str]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``dynamo-ext`` command."""
+    """Entry point of the ``dynamo-ext`` command.
+
+    The terminal gets the audit's own lines only.  The ranks' output, library
+    warnings included, goes to the per-rank logs (``launch.py``); warnings raised
+    in this process (importing torch, or a ``module:function`` target to check
+    it) are not printed where they happen but summarised in one line at the end
+    and logged in full (logger ``dynamo_ext.audit.cli``, level INFO).  With
+    ``-W``/``PYTHONWARNINGS`` set, Python's own warning handling is left alone.
+    """
     argv = list(sys.argv[1:] if argv is None else argv)
+    if sys.warnoptions:
+        return _main(argv)
+    with warnings.catch_warnings(record=True) as caught:
+        code = _main(argv)
+    if caught:
+        for w in caught:
+            logger.info("%s", warnings.formatwarning(w.message, w.category, w.filename, w.lineno, w.line).rstrip())
+        print(warning_summary(caught), file=sys.stderr)
+    return code
+
+
+def warning_summary(caught: list[warnings.WarningMessage]) -> str:
+    """One stderr line for the warnings this process caught: the first one, and how many more."""
+    first = caught[0]
+    text = " ".join(str(first.message).split())
+    text = text if len(text) <= 160 else text[:157] + "..."
+    more = f"; {len(caught) - 1} more" if len(caught) > 1 else ""
+    return (
+        f"dynamo-ext audit: note: library warning, not shown where raised: {first.category.__name__}: {text} "
+        f"({os.path.basename(first.filename)}:{first.lineno}){more}; python -W default shows them"
+    )
+
+
+def _main(argv: list[str]) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print("usage: dynamo-ext audit [options] [TARGET] [-- ARGS...]\n       dynamo-ext audit diff OLD.json NEW.json\n\n"
               "Run 'dynamo-ext audit --help' for the options.")  # fmt: skip
