@@ -66,9 +66,11 @@ def _gather_impl(local: Any, padded_rows: int, *fields: Any) -> Any:
     import torch.nn.functional as F  # noqa: N812
 
     # Pad here, not before: a recomputed gather then keeps only the sharded
-    # parameter itself for backward, not a padded copy of it.
-    if local.size(0) < padded_rows:
-        local = F.pad(local, [0, 0] * (local.dim() - 1) + [0, padded_rows - local.size(0)])
+    # parameter itself for backward, not a padded copy of it.  Pad on every rank,
+    # by zero rows where the shard is whole: ranks with uneven shards must still
+    # trace the same graph, or a pass deciding from graph positions (collective
+    # bucketing) decides differently per rank and the collectives hang.
+    local = F.pad(local, [0, 0] * (local.dim() - 1) + [0, padded_rows - local.size(0)])
     return fsdp_reduce.gather(local, fsdp_reduce.GradReduction(*fields))
 
 
