@@ -356,3 +356,53 @@ def test_non_contiguous_and_mismatched_dim_0_are_left_alone():
         rs.meta["val"] = torch.empty(2, 3)
     assert bucketing.bucket_key(ag) == ("all_gather", "0", 4, torch.float32)
     assert bucketing.bucket_key(rs) == ("reduce_scatter", "0", 4, "sum", torch.float32)
+
+
+def _reduce_scatters_with_slices(sliced: list[int]) -> torch.fx.GraphModule:
+    """Three reduce-scatters of FSDP2 gradients; member ``i`` in ``sliced`` is narrowed right after its wait.
+
+    What Inductor leaves of an uneven shard: a real slice on a rank whose shard is
+    short, nothing (a removed no-op) on a rank whose shard is whole.
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+    c10d = torch.ops._c10d_functional
+    g = torch.fx.Graph()
+    xs = [g.placeholder(f"x{i}") for i in range(3)]
+    outs = []
+    for i, x in enumerate(xs):
+        w = g.call_function(
+            c10d.wait_tensor.default, (g.call_function(c10d.reduce_scatter_tensor.default, (x, "avg", 4, "0")),)
+        )
+        if i in sliced:  # a slice, or the backward of F.pad: a constant_pad_nd that only cuts
+            cut = (
+                (torch.ops.aten.slice.Tensor, (w, 0, 0, 1))
+                if i % 2
+                else (torch.ops.aten.constant_pad_nd.default, (w, [0, 0, 0, -1]))
+            )
+            w = g.call_function(*cut)
+        outs.append(w)
+    g.output(tuple(outs))
+    gm = torch.fx.GraphModule(torch.nn.Module(), g)
+    mode = FakeTensorMode()
+    with mode:
+        fake = [torch.empty(8, 3) for _ in range(3)]
+    FakeTensorProp(gm, mode).propagate(*fake)
+    return gm
+
+
+def test_plan_is_the_same_whether_or_not_a_rank_slices_its_shard():
+    """NOTE [rank-invariant first use]: an uneven shard's slice must not split one rank's bucket (a hang)."""
+    whole, short = _reduce_scatters_with_slices([]), _reduce_scatters_with_slices([0, 1])
+
+    def plan(gm):
+        return [[m.collective.args[0].name for m in b] for b in bucketing.plan_buckets(gm.graph)]
+
+    assert plan(whole) == plan(short) == [["x0", "x1", "x2"]]
+    real = [torch.randn(8, 3) for _ in range(3)]
+    expected = _SimulatedWorld(short, 1, 4).run(*real)
+    assert bucketing.bucket_collectives(short.graph) == 2
+    short.recompile()
+    got = _SimulatedWorld(short, 1, 4).run(*real)
+    assert all(torch.equal(o, e) for o, e in zip(got, expected))

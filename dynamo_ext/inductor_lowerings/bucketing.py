@@ -11,6 +11,18 @@ member's input exists there, and no member's result is read before it.
 Collectives are never moved earlier, and buckets are issued in the order of
 their last members, the same on every rank.
 
+NOTE [rank-invariant first use]
+The graphs of different ranks are not always identical: with uneven shards
+(FSDP2 pads 10 rows over 4 ranks to 3, 3, 3, 1) the slice that takes a rank's
+rows out of a reduce-scatter's result is a no-op, removed by Inductor, on the
+ranks whose shard is whole, and a real node right after the wait on the others.
+A plan that counted that slice as the first use would split the bucket on some
+ranks only, and the ranks would issue different collectives and hang.  So the
+first use of a result looks through the views of it (slices, views, reshapes,
+transposes, ...: the ops a no-op removal can erase, and a ``constant_pad_nd``
+that only cuts, which is how the backward of FSDP2's padding slices), and the
+merge moves such views after the merged collective's unpacking.
+
 The merged all-reduce reads one flat buffer built by ``cat`` of the flattened
 inputs, which Inductor lowers to a single pack kernel with the inputs' pointwise
 producers (a scale, a cast) computed straight into their slice; the results are
@@ -163,6 +175,45 @@ def bucket_key(node: torch.fx.Node) -> tuple[Any, ...] | None:
     return None if found is None else found[0]
 
 
+# Ops whose result aliases their input: what Inductor's no-op removal may erase on some ranks.
+_VIEW_OPS = frozenset(
+    {"slice", "select", "view", "reshape", "_unsafe_view", "t", "permute", "transpose", "squeeze", "unsqueeze"}
+    | {"expand", "alias", "as_strided", "narrow"}
+)
+
+
+def _is_view(node: torch.fx.Node) -> bool:
+    """A view of its input, or a ``constant_pad_nd`` that only cuts (the backward of a pad): a slice."""
+    if node.op != "call_function":
+        return False
+    name = getattr(getattr(node.target, "overloadpacket", None), "__name__", None)
+    if name == "constant_pad_nd":
+        return all(isinstance(p, int) and p <= 0 for p in node.args[1])
+    return name in _VIEW_OPS
+
+
+def _view_chain(wait: torch.fx.Node) -> list[torch.fx.Node]:
+    """The views of ``wait``'s result (views of views too) whose only data input is it, in graph order."""
+    chain: list[torch.fx.Node] = []
+    frontier = [wait]
+    while frontier:
+        node = frontier.pop()
+        for user in node.users:
+            if _is_view(user) and user not in chain:
+                inputs = [a for a in user.all_input_nodes if a is not node]
+                if all(a in chain or a is wait for a in inputs):
+                    chain.append(user)
+                    frontier.append(user)
+    return chain
+
+
+def _first_use(wait: torch.fx.Node, pos: dict[torch.fx.Node, int]) -> int:
+    """Position of the first node reading ``wait``'s result other than through views (NOTE [rank-invariant first use])."""
+    chain = set(_view_chain(wait))
+    readers = [u for n in (wait, *chain) for u in n.users if u not in chain]
+    return min((pos[u] for u in readers), default=len(pos))
+
+
 def plan_buckets(graph: torch.fx.Graph) -> list[list[_Member]]:
     """Buckets of two or more collectives, in graph order (NOTE [all-reduce bucketing order])."""
     pos = {n: i for i, n in enumerate(graph.nodes)}
@@ -175,7 +226,7 @@ def plan_buckets(graph: torch.fx.Graph) -> list[list[_Member]]:
         key, nbytes = found
         wait = next(iter(node.users))
         member = _Member(node, wait, _val(node.args[0]).numel(), tuple(_val(node).shape))
-        first_use = min(pos[u] for u in wait.users)
+        first_use = _first_use(wait, pos)
         bucket = open_buckets.get(key)
         if bucket is not None and pos[node] < bucket.first_use and bucket.nbytes + nbytes <= options.bucket_cap_bytes:
             bucket.members.append(member)
@@ -277,8 +328,16 @@ _MERGERS = {
 
 def merge_bucket(graph: torch.fx.Graph, members: list[_Member]) -> torch.fx.Node:
     """Replace the members by pack -> one collective -> wait -> unpack; return the new collective."""
-    with graph.inserting_before(members[-1].collective):
-        merged = _MERGERS[members[-1].collective.target](graph, members)
+    pos = {n: i for i, n in enumerate(graph.nodes)}
+    views = sorted({v for m in members for v in _view_chain(m.wait)}, key=pos.__getitem__)
+    anchor = members[-1].collective
+    with graph.inserting_before(anchor):
+        merged = _MERGERS[anchor.target](graph, members)
+    # NOTE [rank-invariant first use]: views read before the merged collective move after it, in order.
+    # The unpacking nodes all sit right before the anchor, so the views go there too, after them.
+    for view in views:
+        if pos[view] < pos[anchor]:
+            anchor.prepend(view)
     for m in members:
         graph.erase_node(m.wait)
         graph.erase_node(m.collective)
