@@ -2,12 +2,23 @@
 
 from __future__ import annotations
 
+import copy
+import inspect
 import os
 from typing import Any
 
 from .collector import Collector, dynamo_counters
+from .identity import target_root
 from .merge import merge
 from .records import AuditReport
+
+
+def _source_file(fn: Any) -> str | None:
+    target = getattr(fn, "forward", fn)  # an nn.Module: where its forward is
+    try:
+        return inspect.getsourcefile(inspect.unwrap(target))
+    except (TypeError, OSError):
+        return None
 
 
 def audit(fn: Any, *args: Any, **compile_kwargs: Any) -> AuditReport:
@@ -16,8 +27,15 @@ def audit(fn: Any, *args: Any, **compile_kwargs: Any) -> AuditReport:
     Runs in this process, on this rank (the report has one rank: this one's
     ``dist.get_rank()``, or 0 without a process group).  The plugin is used
     when it is installed (``dynamo_ext.install()`` / ``with dynamo_ext.enabled():``).
-    Dynamo's caches and counters are reset first, so the report covers exactly
-    this call.  An exception from ``fn`` propagates.
+
+    The report covers exactly this call, and the calling process's Dynamo state
+    is left as it was: the compile uses a backend equal to no other and its own
+    cache bucket (:func:`dynamo_ext._compat.fresh_compile_kwargs`), so earlier
+    compiles of ``fn`` are neither reused nor disturbed (no ``torch._dynamo.reset()``); and
+    ``torch._dynamo.utils.counters`` are restored to their values before the
+    call (the report's ``dynamo_graph_breaks`` is this call's increment).
+    Files in identities are relative to the root of ``fn``'s source
+    (:func:`.identity.target_root`).  An exception from ``fn`` propagates.
     """
     import torch
     import torch.distributed as dist
@@ -26,9 +44,11 @@ def audit(fn: Any, *args: Any, **compile_kwargs: Any) -> AuditReport:
     from dynamo_ext import _compat
 
     rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-    torch._dynamo.reset()
-    _compat.dynamo_counters().clear()
-    collector = Collector()
+    counters = _compat.dynamo_counters()
+    saved = copy.deepcopy(dict(counters))
+    before = dynamo_counters()
+    source = _source_file(fn)
+    collector = Collector(root=target_root(source) if source else None)
     collector.record(
         {
             "ev": "start",
@@ -39,10 +59,15 @@ def audit(fn: Any, *args: Any, **compile_kwargs: Any) -> AuditReport:
     )
     collector.start()
     try:
-        torch.compile(fn, **compile_kwargs)(*args)
+        torch.compile(fn, **_compat.fresh_compile_kwargs(compile_kwargs))(*args)
     finally:
         collector.stop()
-        collector.record({"ev": "end", "counters": dynamo_counters()})
+        after = dynamo_counters()
+        delta = {k: after[k] - before.get(k, 0) for k in after}
+        delta["graph_break_missed"] = collector.dynamo_missed()
+        collector.record({"ev": "end", "counters": delta})
+        counters.clear()
+        counters.update(saved)
     name = getattr(fn, "__qualname__", None) or type(fn).__name__
     module = getattr(fn, "__module__", None)
     report = merge(

@@ -1,7 +1,7 @@
 """``dynamo-ext audit [options] [TARGET] [-- ARGS...]`` and ``dynamo-ext audit diff OLD.json NEW.json``.
 
 Exit status: 0 when the run finished and passed the gate; 1 when a budget
-(``--max-breaks``, ``--max-recompiles``) is exceeded or a break that
+(``--max-breaks``, ``--max-recompiles``, ``--max-hang-risks``) is exceeded or a break that
 ``--baseline`` does not have appears; 2 on an error (bad input, a rank that
 raised, died or hung).  Reports asked for with ``--json``/``--html`` are written
 in every case, with whatever was collected.
@@ -44,6 +44,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--max-recompiles", type=int, default=None, metavar="K", help="exit 1 when a rank recompiles more than K times"
+    )
+    p.add_argument(
+        "--max-hang-risks",
+        type=int,
+        default=0,
+        metavar="K",
+        help="exit 1 when more than K graphs issue different collective sequences on different ranks (default 0)",
     )
     p.add_argument("--baseline", metavar="FILE", help="exit 1 on a graph break that this earlier --json report lacks")
     p.add_argument(
@@ -160,7 +167,13 @@ def _audit(argv: list[str]) -> int:
         logs = sorted({r.log for r in report.ranks if r.log})
         suffix = f"; rank logs under {os.path.commonpath(logs)}" if logs else ""
         return fail(errors[0] + suffix)
-    problems = gate(report, max_breaks=args.max_breaks, max_recompiles=args.max_recompiles, baseline=baseline)
+    problems = gate(
+        report,
+        max_breaks=args.max_breaks,
+        max_recompiles=args.max_recompiles,
+        baseline=baseline,
+        max_hang_risks=args.max_hang_risks,
+    )
     for p in problems:
         err.print(f"dynamo-ext audit: gate: {p}", markup=False, soft_wrap=True)
     return EXIT_GATE if problems else EXIT_OK

@@ -31,7 +31,12 @@ class AuditGate:
     """The fixture's value: call it for an in-process audit, ``.run`` for a multi-rank one."""
 
     def _check(
-        self, report: AuditReport, max_breaks: int | None, max_recompiles: int | None, baseline: str | None
+        self,
+        report: AuditReport,
+        max_breaks: int | None,
+        max_recompiles: int | None,
+        baseline: str | None,
+        max_hang_risks: int | None = 0,
     ) -> AuditReport:
         problems = list(report.errors)
         problems += gate(
@@ -39,6 +44,7 @@ class AuditGate:
             max_breaks=max_breaks,
             max_recompiles=max_recompiles,
             baseline=load_report(baseline) if baseline else None,
+            max_hang_risks=max_hang_risks,
         )
         if problems:
             pytest.fail(
@@ -70,12 +76,13 @@ class AuditGate:
         max_breaks: int | None = 0,
         max_recompiles: int | None = None,
         baseline: str | None = None,
+        max_hang_risks: int | None = 0,
     ) -> AuditReport:
         """``dynamo-ext audit`` on ``nproc`` ranks (script path or module:function), with the same gate."""
         from .launch import run_ranks
 
         report = run_ranks(target, list(args), nproc=nproc, backend=backend, plugin=plugin, timeout=timeout)
-        return self._check(report, max_breaks, max_recompiles, baseline)
+        return self._check(report, max_breaks, max_recompiles, baseline, max_hang_risks)
 
 
 @pytest.fixture

@@ -61,6 +61,7 @@ class GraphBreak:
     recompiles_caused: int
     hang_risk: bool
     impact: int
+    divergent: bool = False
 
     @property
     def count(self) -> int:
@@ -76,8 +77,12 @@ class GraphBreak:
 class Graph:
     """One compiled graph (a Dynamo frame compile that produced a graph), merged over ranks.
 
-    ``id`` is ``file:firstline function #n`` where ``n`` counts compiles of that
-    code object on a rank (0 first, then one per recompile).
+    ``id`` is ``file:firstline function`` for the first compile of that code
+    object and ``file:firstline function | recompile: <failed guard>`` for a
+    recompile; never the compile order.  ``divergent``: ranks have it a
+    different number of times or with different op counts.  ``hang_risk``: the
+    ordered collectives it issues differ between ranks
+    (``collective_sequence_by_rank``: forward names, then ``bwd:`` names).
     """
 
     id: str
@@ -91,6 +96,8 @@ class Graph:
     backward_collectives: tuple[tuple[str, int], ...]
     compile_time_s: float
     hang_risk: bool
+    divergent: bool = False
+    collective_sequence_by_rank: tuple[tuple[int, tuple[str, ...]], ...] = ()
 
     @property
     def op_count(self) -> int:
@@ -109,6 +116,7 @@ class Recompile:
     ranks: tuple[int, ...]
     count_by_rank: tuple[tuple[int, int], ...]
     hang_risk: bool
+    divergent: bool = False
 
     @property
     def count(self) -> int:
@@ -122,7 +130,10 @@ class RankSummary:
     ``status`` is ``"ok"``, ``"error"`` (the target raised), ``"died"`` (the
     process ended without saying why) or ``"timeout"``.  ``dynamo_graph_breaks``
     is ``sum(torch._dynamo.utils.counters["graph_break"].values())`` read on the
-    rank at the end (``None`` when the rank never got there).
+    rank at the end (``None`` when the rank never got there); ``dynamo_missed``
+    the breaks of ``graph_breaks`` that counter did not count (torch 2.13 does not
+    count data-dependent branches), so ``graph_breaks == dynamo_graph_breaks +
+    dynamo_missed`` when the audit and Dynamo agree.
     """
 
     rank: int
@@ -136,6 +147,7 @@ class RankSummary:
     dynamo_graph_breaks: int | None
     dynamo_unique_graphs: int | None
     log: str
+    dynamo_missed: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,21 +184,13 @@ class AuditReport:
 
     @property
     def hang_risks(self) -> tuple[str, ...]:
-        """One line per rank-divergent break, graph or recompile."""
-        out = [
-            f"graph break {b.id} on ranks {list(b.ranks)} {_counts(b.count_by_rank)}"
-            for b in self.graph_breaks
-            if b.hang_risk
-        ]
-        out += [
-            f"graph {g.id} on ranks {list(g.ranks)} ops {_counts(g.op_count_by_rank)}"
+        """One line per graph whose collective sequence differs between ranks (what ``--max-hang-risks`` counts)."""
+        return tuple(
+            f"graph {g.id}: collectives differ across ranks: "
+            + "; ".join(f"rank {r}: [{', '.join(seq)}]" for r, seq in _distinct_seqs(g))
             for g in self.graphs
             if g.hang_risk
-        ]
-        out += [
-            f"recompile of {r.function} ({r.reason}) on ranks {list(r.ranks)}" for r in self.recompiles if r.hang_risk
-        ]
-        return tuple(out)
+        )
 
     @property
     def ok(self) -> bool:
@@ -203,8 +207,12 @@ class AuditReport:
         return render_text(self)
 
 
-def _counts(pairs: tuple[tuple[int, int], ...]) -> str:
-    return "{" + ", ".join(f"rank {r}: {n}" for r, n in pairs) + "}"
+def _distinct_seqs(g: Graph) -> list[tuple[str, tuple[str, ...]]]:
+    """Ranks grouped by collective sequence (ranks lacking the graph show as ``[]`` when others have it)."""
+    by_seq: dict[tuple[str, ...], list[int]] = {}
+    for r, seq in g.collective_sequence_by_rank:
+        by_seq.setdefault(tuple(seq), []).append(r)
+    return [(",".join(map(str, rs)), seq) for seq, rs in by_seq.items()]
 
 
 def _to_plain(report: AuditReport) -> dict[str, Any]:
@@ -277,6 +285,9 @@ def report_from_json(data: dict[str, Any]) -> AuditReport:
                 "op_count_by_rank": _pairs(g["op_count_by_rank"]),
                 "collectives": tuple((a, int(b)) for a, b in g["collectives"]),
                 "backward_collectives": tuple((a, int(b)) for a, b in g["backward_collectives"]),
+                "collective_sequence_by_rank": tuple(
+                    (int(r), tuple(seq)) for r, seq in g.get("collective_sequence_by_rank", ())
+                ),
             }
         )
         for g in data.get("graphs", [])

@@ -80,7 +80,9 @@ def _breaks(report: AuditReport) -> Table | Text:
         if b.distributed:
             what.append("  [distributed]", style="magenta")
         if b.hang_risk:
-            what.append("  [HANG RISK: ranks diverge]", style="bold red")
+            what.append("  [HANG RISK: collectives differ across ranks]", style="bold red")
+        elif b.divergent:
+            what.append("  [ranks differ; collectives agree]", style="yellow")
         fix = b.fix or (b.hints[0] if b.hints else "")
         if fix:
             what.append(f"\nfix: {fix}")
@@ -134,7 +136,11 @@ def _ranks_table(report: AuditReport) -> Table:
         check = (
             _NONE
             if r.dynamo_graph_breaks is None
-            else ("ok" if r.dynamo_graph_breaks == r.graph_breaks else f"MISMATCH ({r.dynamo_graph_breaks})")
+            else (
+                ("ok" if not r.dynamo_missed else f"ok (Dynamo missed {r.dynamo_missed})")
+                if r.dynamo_graph_breaks + r.dynamo_missed == r.graph_breaks
+                else f"MISMATCH ({r.dynamo_graph_breaks})"
+            )
         )
         status = Text(r.status, style="green" if r.status == "ok" else "bold red")
         t.add_row(
@@ -169,7 +175,10 @@ def renderables(report: AuditReport) -> Group:
     risks = report.hang_risks
     if risks:
         parts.append(
-            Text("HANG RISK - ranks diverge:\n" + "\n".join(f"  {escape(x)}" for x in risks), style="bold red")
+            Text(
+                "HANG RISK - collective sequences differ across ranks:\n" + "\n".join(f"  {escape(x)}" for x in risks),
+                style="bold red",
+            )
         )
     for rep, label in ((report.stock, "stock run"), (report, "")):
         if rep is not None and rep.errors:

@@ -20,7 +20,7 @@ import traceback
 from typing import Any
 
 from .collector import Collector, JsonlSink, dynamo_counters
-from .identity import is_torch_file, normalize_path
+from .identity import is_torch_file, normalize_path, target_root
 
 EXIT_TARGET_FAILED = 1
 EXIT_PLUGIN_FAILED = 3
@@ -42,7 +42,32 @@ def is_function_target(target: str) -> bool:
     return not os.path.exists(target) and re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*", target) is not None
 
 
-def _error_event(exc: BaseException) -> dict[str, Any]:
+def root_of_target(target: str) -> str:
+    """The root that identities are relative to (:func:`.identity.target_root`) for a script or ``module:function``.
+
+    A ``module:function`` target's root is searched from its import root (the
+    directory holding its top-level package), so ``pkg.sub.mod`` in a checkout
+    gives the checkout.
+    """
+    if not is_function_target(target):
+        return target_root(target)
+    import importlib.util
+
+    module = target.partition(":")[0]
+    try:
+        spec = importlib.util.find_spec(module)
+    except (ImportError, ValueError):
+        spec = None
+    origin = getattr(spec, "origin", None)
+    if not origin or not os.path.exists(origin):
+        return os.getcwd()
+    base = os.path.dirname(os.path.abspath(origin))
+    for _ in range(module.count(".") + (os.path.basename(origin) == "__init__.py")):
+        base = os.path.dirname(base)
+    return target_root(base)
+
+
+def _error_event(exc: BaseException, root: str | None = None) -> dict[str, Any]:
     import re
 
     # Dynamo's errors name the traced user line under "from user code:"; the
@@ -52,7 +77,7 @@ def _error_event(exc: BaseException) -> dict[str, Any]:
     frames = frames or [(f.filename, f.lineno or 0) for f in traceback.extract_tb(exc.__traceback__)]
     where = next((f for f in reversed(frames) if not is_torch_file(f[0]) and f[0] != __file__), None)
     first = (text.strip().splitlines() or [""])[0]
-    loc = f" (at {normalize_path(where[0])}:{where[1]})" if where else ""
+    loc = f" (at {normalize_path(where[0], root=root)}:{where[1]})" if where else ""
     return {
         "ev": "error",
         "type": type(exc).__name__,
@@ -106,7 +131,8 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     rank = int(os.environ.get("RANK", "0"))
     sink = JsonlSink(os.path.join(ns.out, f"rank{rank}.jsonl"))
-    collector = Collector(sink)
+    root = root_of_target(ns.target)
+    collector = Collector(sink, root=root)
     plugin: dict[str, Any] = {"installed": False, "version": dynamo_ext.__version__, "error": ""}
     install_error: BaseException | None = None
     if ns.plugin:
@@ -148,12 +174,13 @@ def main(argv: list[str] | None = None) -> int:
             )
             status = EXIT_TARGET_FAILED
     except BaseException as e:  # the report says what the target raised
-        collector.record(_error_event(e))
+        collector.record(_error_event(e, root))
         traceback.print_exc()
         status = EXIT_TARGET_FAILED
     finally:
         collector.stop()
-        collector.record({"ev": "end", "counters": dynamo_counters(), "status": status})
+        counters = {**dynamo_counters(), "graph_break_missed": collector.dynamo_missed()}
+        collector.record({"ev": "end", "counters": counters, "status": status})
         sink.close()
     return status
 
