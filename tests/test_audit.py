@@ -16,7 +16,7 @@ import torch
 from expecttest import TestCase
 from torch._dynamo.utils import counters
 
-from dynamo_ext.audit import audit, diff_reports, gate, report_from_json
+from dynamo_ext.audit import audit, diff_reports, gate, numerics, report_from_json
 from dynamo_ext.audit.collector import collective_sequence, collectives_in, parse_message
 from dynamo_ext.audit.identity import (
     break_id,
@@ -523,3 +523,94 @@ def test_each_kind_of_break_at_its_line_with_its_gb_type(name, marker, gb_type, 
     r = report.ranks[0]
     # The audit's count agrees with Dynamo's counter, plus the breaks Dynamo misses (2.13: data-dependent).
     assert r.graph_breaks == r.dynamo_graph_breaks + r.dynamo_missed, r
+
+
+# ---- the numerics check (dynamo_ext/audit/numerics.py), in-process ----------------------------
+_WRONG = Path(__file__).resolve().parent / "audit_targets" / "numerics_wrong.py"
+
+
+def _numerics_wrong():
+    spec = importlib.util.spec_from_file_location("audit_numerics_wrong", _WRONG)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _linear_step(scale_loss_under_compile):
+    def make_step():
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 2)
+        optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        x = torch.randn(3, 4)
+
+        def loss_fn(x):
+            loss = model(x).square().mean()
+            if scale_loss_under_compile and torch.compiler.is_compiling():
+                loss = loss * 1.01
+            return loss
+
+        compiled = torch.compile(loss_fn, backend="eager")
+
+        def step(use_compile):
+            loss = (compiled if use_compile else loss_fn)(x)
+            loss.backward()
+            return loss
+
+        return model, optim, step
+
+    return make_step
+
+
+class TestNumerics(TestCase):
+    def test_equal_step_has_no_mismatch_and_counts_every_tensor(self):
+        report = audit(_two_breaks, torch.ones(4), backend="eager", check_numerics=_linear_step(False))
+        n = report.numerics
+        self.assertEqual(n.mismatches, ())
+        self.assertEqual(n.compared, 1 + 2 + 2)  # loss; weight and bias gradients; weight and bias after AdamW
+        self.assertEqual(gate(report), [])
+        self.assertIn("0 mismatches", str(report))
+
+    def test_value_changed_only_under_compile_fails_the_gate_naming_the_loss(self):
+        report = audit(_two_breaks, torch.ones(4), backend="eager", check_numerics=_linear_step(True))
+        first = report.numerics.first
+        self.assertEqual((first.kind, first.name, first.rank), ("output", "loss", 0))
+        self.assertAlmostEqual(first.max_rel, 0.01, places=5)
+        # The 1% larger loss also scales every gradient; AdamW's update is scale-invariant in its first step.
+        self.assertEqual([m.name for m in report.numerics.mismatches if m.kind == "grad"], ["weight", "bias"])
+        problems = gate(report)
+        self.assertTrue(problems[0].startswith("numerics: 3 tensor(s) differ between the compiled and the eager step"))
+        self.assertIn("first: output loss on rank 0: max abs error", problems[0])
+        self.assertIn("MISMATCH", str(report))
+
+    def test_gradient_wrong_only_under_compile_names_the_parameter(self):
+        report = audit(_two_breaks, torch.ones(4), backend="eager", check_numerics=_numerics_wrong().make_step)
+        ms = report.numerics.mismatches
+        self.assertEqual((ms[0].kind, ms[0].name), ("grad", "lin.weight"))
+        self.assertAlmostEqual(ms[0].max_rel, 0.01, delta=2e-3)
+        self.assertNotIn("output", {m.kind for m in ms})
+        self.assertIn(("param", "lin.weight"), {(m.kind, m.name) for m in ms})
+
+    def test_mismatch_in_type_or_shape_is_named_not_compared(self):
+        self.assertIsNone(numerics.compare("w", "grad", torch.ones(2), torch.ones(2), None, None))
+        m = numerics.compare("w", "grad", torch.ones(2), None, None, None)
+        self.assertEqual((m["detail"], m["max_abs"]), ("eager Tensor, compiled None", None))
+        m = numerics.compare("w", "param", torch.ones(2), torch.ones(3), None, None)
+        self.assertEqual(m["detail"], "eager torch.float32[2], compiled torch.float32[3]")
+        m = numerics.compare("w", "param", torch.zeros(2), torch.tensor([0.0, 1e-3]), None, None)
+        self.assertEqual(m["max_abs"], pytest.approx(1e-3))
+        self.assertIsNone(numerics.compare("w", "param", torch.zeros(2), torch.tensor([0.0, 1e-3]), 0.0, 1e-2))
+
+    def test_bad_make_step_results_are_clear_errors(self):
+        with self.assertRaisesRegex(TypeError, r"make_step\(\) must return dynamo_ext.audit.Step or a \(model"):
+            numerics.as_step(lambda c: None)
+        with self.assertRaisesRegex(TypeError, "model must be a torch.nn.Module, got int"):
+            numerics.as_step((1, None, lambda c: None))
+        with self.assertRaisesRegex(ValueError, "give both rtol and atol"):
+            audit(_two_breaks, torch.ones(4), backend="eager", check_numerics=_linear_step(False), rtol=1e-3)
+
+    def test_numerics_round_trip_in_json(self):
+        report = audit(_two_breaks, torch.ones(4), backend="eager", check_numerics=_linear_step(True))
+        data = json.loads(json.dumps(report.to_json()))
+        self.assertEqual(data["totals"]["numerics_mismatches"], 3)
+        self.assertEqual(data["numerics"]["mismatches"][0]["name"], "loss")
+        self.assertEqual(report_from_json(data), report)

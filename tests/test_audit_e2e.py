@@ -160,6 +160,38 @@ def test_hang_risk_only_where_collectives_differ_and_identities_are_machine_inde
 
 
 @pytest.mark.gloo
+def test_numerics_gate_names_the_gradient_wrong_only_under_compile():
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "nw.json")
+        proc = cli("--nproc", "2", "--quiet", "--check-numerics", "--json", out, str(TARGETS / "numerics_wrong.py"))
+        assert proc.returncode == 1, proc.stderr[-3000:]
+        data = json.loads(Path(out).read_text())
+    assert "numerics: " in proc.stderr and "first: gradient of lin.weight on rank 0: max abs error" in proc.stderr
+    num = data["numerics"]
+    assert num["ranks"] == [0, 1] and num["compared"] == 1 + 1 + 4 + 4  # loss, out, 4 grads, 4 params
+    first = num["mismatches"][0]
+    assert (first["kind"], first["name"], first["rank"]) == ("grad", "lin.weight", 0)
+    assert {m["rank"] for m in num["mismatches"]} == {0, 1}
+    assert data["totals"]["numerics_mismatches"] == len(num["mismatches"])
+
+
+@pytest.mark.gloo
+def test_bundled_example_compiled_step_equals_eager():
+    """The bundled Llama TP + FSDP2 example (4 ranks): numerics on by default, 0 mismatches, no hang risk."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "llama.json")
+        proc = cli("--quiet", "--json", out, timeout=900)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        data = json.loads(Path(out).read_text())
+    num = data["numerics"]
+    assert num["ranks"] == [0, 1, 2, 3]
+    assert num["mismatches"] == [], num["mismatches"][:3]
+    assert num["compared"] > 2 * 20  # loss, logits, every gradient and parameter
+    assert data["totals"]["hang_risks"] == []
+    assert all("#" not in g["id"] and not g["file"].startswith("/") for g in data["graphs"])
+
+
+@pytest.mark.gloo
 def test_gate_budget_and_baseline(known_run):
     _, tmp = known_run
     base = tmp / "out.json"

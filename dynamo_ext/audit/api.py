@@ -5,11 +5,13 @@ from __future__ import annotations
 import copy
 import inspect
 import os
+from collections.abc import Callable
 from typing import Any
 
 from .collector import Collector, dynamo_counters
 from .identity import target_root
 from .merge import merge
+from .numerics import as_step, check_step
 from .records import AuditReport
 
 
@@ -21,7 +23,14 @@ def _source_file(fn: Any) -> str | None:
         return None
 
 
-def audit(fn: Any, *args: Any, **compile_kwargs: Any) -> AuditReport:
+def audit(
+    fn: Any,
+    *args: Any,
+    check_numerics: Callable[[], Any] | None = None,
+    rtol: float | None = None,
+    atol: float | None = None,
+    **compile_kwargs: Any,
+) -> AuditReport:
     """Compile ``fn`` with ``torch.compile(fn, **compile_kwargs)``, call it once on ``args``, report.
 
     Runs in this process, on this rank (the report has one rank: this one's
@@ -36,6 +45,15 @@ def audit(fn: Any, *args: Any, **compile_kwargs: Any) -> AuditReport:
     call (the report's ``dynamo_graph_breaks`` is this call's increment).
     Files in identities are relative to the root of ``fn``'s source
     (:func:`.identity.target_root`).  An exception from ``fn`` propagates.
+
+    ``check_numerics``: a ``make_step`` callable (docs/audit.md, "Numerics
+    check"; :mod:`.numerics`); after the audited call, its step runs eagerly and
+    compiled from the same state and ``report.numerics`` says which tensors
+    differ (``rtol``/``atol``: as ``torch.testing.assert_close``, both or neither).
+    Its compiles are not part of the audit's counts.
+
+    Raises:
+        ValueError: only one of ``rtol``/``atol`` given.
     """
     import torch
     import torch.distributed as dist
@@ -43,6 +61,8 @@ def audit(fn: Any, *args: Any, **compile_kwargs: Any) -> AuditReport:
     import dynamo_ext
     from dynamo_ext import _compat
 
+    if (rtol is None) != (atol is None):
+        raise ValueError("give both rtol and atol, or neither (the per-dtype defaults of torch.testing.assert_close)")
     rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
     counters = _compat.dynamo_counters()
     saved = copy.deepcopy(dict(counters))
@@ -58,16 +78,22 @@ def audit(fn: Any, *args: Any, **compile_kwargs: Any) -> AuditReport:
         }
     )
     collector.start()
+    finished = False
     try:
         torch.compile(fn, **_compat.fresh_compile_kwargs(compile_kwargs))(*args)
+        finished = True
     finally:
         collector.stop()
         after = dynamo_counters()
         delta = {k: after[k] - before.get(k, 0) for k in after}
         delta["graph_break_missed"] = collector.dynamo_missed()
         collector.record({"ev": "end", "counters": delta})
-        counters.clear()
-        counters.update(saved)
+        try:
+            if check_numerics is not None and finished:
+                collector.record({"ev": "numerics", **check_step(as_step(check_numerics()), rtol=rtol, atol=atol)})
+        finally:
+            counters.clear()
+            counters.update(saved)
     name = getattr(fn, "__qualname__", None) or type(fn).__name__
     module = getattr(fn, "__module__", None)
     report = merge(
@@ -85,6 +111,13 @@ def audit(fn: Any, *args: Any, **compile_kwargs: Any) -> AuditReport:
             graph_breaks=tuple(
                 dataclasses.replace(b, ranks=(rank,), count_by_rank=tuple((rank, n) for _, n in b.count_by_rank))
                 for b in report.graph_breaks
+            ),
+            numerics=None
+            if report.numerics is None
+            else dataclasses.replace(
+                report.numerics,
+                ranks=(rank,),
+                mismatches=tuple(dataclasses.replace(m, rank=rank) for m in report.numerics.mismatches),
             ),
         )
     return report

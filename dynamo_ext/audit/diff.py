@@ -46,11 +46,17 @@ def gate(
 
     Budgets compare the worst rank's totals (:attr:`AuditReport.total_breaks`,
     :attr:`AuditReport.total_recompiles`); a baseline fails the gate on any break
-    whose identity it does not have; more than ``max_hang_risks`` graphs whose
+    whose identity it does not have; a tensor that differs between the compiled
+    and the eager step (:attr:`AuditReport.numerics`, when checked) fails it; more than ``max_hang_risks`` graphs whose
     collective sequences differ across ranks (:attr:`AuditReport.hang_risks`)
     fail it too (``None``: not checked).
     """
     problems = []
+    if report.numerics is not None and report.numerics.mismatches:
+        n = report.numerics
+        problems.append(
+            f"numerics: {len(n.mismatches)} tensor(s) differ between the compiled and the eager step; first: {n.first}"
+        )
     risks = report.hang_risks
     if max_hang_risks is not None and len(risks) > max_hang_risks:
         problems.append(f"{len(risks)} hang risk(s), budget --max-hang-risks {max_hang_risks}")

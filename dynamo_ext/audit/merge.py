@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from .identity import break_id, fix_for
-from .records import AuditReport, Frame, Graph, GraphBreak, RankSummary, Recompile
+from .records import AuditReport, Frame, Graph, GraphBreak, Numerics, NumericsMismatch, RankSummary, Recompile
 
 _RESUME = re.compile(r"^torch_dynamo_resume_in_(.+)_at_(\d+)$")
 _CID_PREFIX = re.compile(r"^\s*!?[\d/]+:\s*", re.M)
@@ -267,6 +267,7 @@ def merge(
                 log=st.get("log", "") or "",
             )
         )
+    numerics = _numerics(events_by_rank)
     internal = tuple(
         f"rank {r}: {e['message']}" for r, evs in sorted(events_by_rank.items()) for e in evs if e["ev"] == "internal"
     )
@@ -281,6 +282,34 @@ def merge(
         recompiles=recompiles,
         ranks=tuple(ranks),
         errors=tuple(errors) + internal,
+        numerics=numerics,
+    )
+
+
+def _numerics(events_by_rank: dict[int, list[dict[str, Any]]]) -> Numerics | None:
+    per_rank = {r: e for r, evs in events_by_rank.items() for e in evs if e["ev"] == "numerics"}
+    if not per_rank:
+        return None
+    mismatches = sorted(
+        (
+            NumericsMismatch(
+                rank=r,
+                index=int(m["index"]),
+                kind=m["kind"],
+                name=m["name"],
+                detail=m.get("detail", ""),
+                max_abs=m.get("max_abs"),
+                max_rel=m.get("max_rel"),
+            )
+            for r, e in per_rank.items()
+            for m in e["mismatches"]
+        ),
+        key=lambda m: (m.index, m.rank),
+    )
+    return Numerics(
+        compared=max(int(e["compared"]) for e in per_rank.values()),
+        ranks=tuple(sorted(per_rank)),
+        mismatches=tuple(mismatches),
     )
 
 

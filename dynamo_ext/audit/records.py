@@ -151,12 +151,64 @@ class RankSummary:
 
 
 @dataclasses.dataclass(frozen=True)
+class NumericsMismatch:
+    """One tensor that differs between the compiled and the eager step on one rank.
+
+    ``kind``: ``"output"`` (a path into what ``step`` returned: ``"loss"``,
+    ``"out[0]"``), ``"grad"`` (a parameter's gradient after ``backward``) or
+    ``"param"`` (a parameter after the optimizer step), by parameter name;
+    local shards for DTensors.  ``max_abs``/``max_rel``: the largest absolute
+    and relative (to eager) error, ``None`` when not comparable (``detail``
+    says why: type, placements, shape, dtype, missing).  ``index``: position
+    in the comparison order (outputs, gradients, parameters).
+    """
+
+    rank: int
+    index: int
+    kind: str
+    name: str
+    detail: str
+    max_abs: float | None
+    max_rel: float | None
+
+    def __str__(self) -> str:
+        err = (
+            f"max abs error {self.max_abs:.3g}, max rel error {self.max_rel:.3g}"
+            if self.max_abs is not None and self.max_rel is not None
+            else self.detail
+        )
+        what = {"output": "output", "grad": "gradient of", "param": "parameter after the step"}.get(
+            self.kind, self.kind
+        )
+        return f"{what} {self.name} on rank {self.rank}: {err}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Numerics:
+    """The numerics check (``--check-numerics``): compiled step vs eager step, from the same state, per rank.
+
+    ``compared``: tensors compared per rank (outputs + gradients + parameters);
+    ``ranks``: the ranks that finished the check; ``mismatches`` sorted by
+    comparison order, then rank: ``mismatches[0]`` is the first tensor that differs.
+    """
+
+    compared: int
+    ranks: tuple[int, ...]
+    mismatches: tuple[NumericsMismatch, ...]
+
+    @property
+    def first(self) -> NumericsMismatch | None:
+        return self.mismatches[0] if self.mismatches else None
+
+
+@dataclasses.dataclass(frozen=True)
 class AuditReport:
     """Everything the audit found; ``str(report)`` is the terminal report.
 
     ``plugin`` says whether dynamo-ext was installed on the ranks
     (``{"installed": bool, "version": str, "error": str}``).  ``stock`` is the
-    run without the plugin when ``--compare-stock`` was given.
+    run without the plugin when ``--compare-stock`` was given.  ``numerics`` is
+    the numerics check (``None`` when it did not run).
     """
 
     target: str
@@ -170,6 +222,7 @@ class AuditReport:
     ranks: tuple[RankSummary, ...]
     errors: tuple[str, ...] = ()
     stock: AuditReport | None = None
+    numerics: Numerics | None = None
 
     # ---- totals (what the CI gate compares) ------------------------------------
     @property
@@ -238,6 +291,7 @@ def _to_plain(report: AuditReport) -> dict[str, Any]:
         "recompiles": report.total_recompiles,
         "graphs": max((r.graphs for r in report.ranks), default=0),
         "hang_risks": list(report.hang_risks),
+        "numerics_mismatches": None if report.numerics is None else len(report.numerics.mismatches),
     }
     return out
 
@@ -304,6 +358,16 @@ def report_from_json(data: dict[str, Any]) -> AuditReport:
     )
     ranks = tuple(RankSummary(**r) for r in data.get("ranks", []))
     stock = data.get("stock")
+    num = data.get("numerics")
+    numerics = (
+        None
+        if num is None
+        else Numerics(
+            compared=int(num["compared"]),
+            ranks=tuple(num["ranks"]),
+            mismatches=tuple(NumericsMismatch(**m) for m in num["mismatches"]),
+        )
+    )
     return AuditReport(
         target=data.get("target", ""),
         world_size=data.get("world_size", len(ranks)),
@@ -316,6 +380,7 @@ def report_from_json(data: dict[str, Any]) -> AuditReport:
         ranks=ranks,
         errors=tuple(data.get("errors", [])),
         stock=None if stock is None else report_from_json(stock),
+        numerics=numerics,
     )
 
 

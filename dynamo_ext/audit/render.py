@@ -6,7 +6,6 @@ import io
 
 from rich import box
 from rich.console import Console, Group
-from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
@@ -172,11 +171,30 @@ def renderables(report: AuditReport) -> Group:
         if extra is not None:
             parts.append(extra)
     parts.append(_ranks_table(report))
+    num = report.numerics
+    if num is not None:
+        head = (
+            f"Numerics (compiled step vs eager, same state): {num.compared} tensors per rank, ranks {list(num.ranks)}: "
+        )
+        if num.mismatches:
+            lines = [f"  {m}" for m in num.mismatches[:20]]
+            more = len(num.mismatches) - len(lines)
+            parts.append(
+                Text(
+                    head
+                    + f"{len(num.mismatches)} MISMATCH(ES); first: {num.first}\n"
+                    + "\n".join(lines)
+                    + (f"\n  ... {more} more" if more > 0 else ""),
+                    style="bold red",
+                )
+            )
+        else:
+            parts.append(Text(head + "0 mismatches", style="green"))
     risks = report.hang_risks
     if risks:
         parts.append(
             Text(
-                "HANG RISK - collective sequences differ across ranks:\n" + "\n".join(f"  {escape(x)}" for x in risks),
+                "HANG RISK - collective sequences differ across ranks:\n" + "\n".join(f"  {x}" for x in risks),
                 style="bold red",
             )
         )
