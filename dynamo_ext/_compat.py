@@ -188,6 +188,8 @@ class _FreshBackend:
         return self._inner(gm, example_inputs, **kwargs)
 
     def __getattr__(self, name: str) -> Any:  # compiler_name, get_compiler_config, reset, ...
+        if name == "_inner":  # not set yet (copy, unpickling): no recursion
+            raise AttributeError(name)
         return getattr(self._inner, name)
 
 
@@ -210,10 +212,7 @@ def fresh_compile_kwargs(compile_kwargs: dict[str, Any]) -> dict[str, Any]:
         mode = "default"
     dynamic = kw.get("dynamic")
     if backend == "inductor":
-        try:
-            inner = torch._TorchCompileInductorWrapper(mode, options, dynamic)
-        except TypeError:  # releases with a `name` argument
-            inner = torch._TorchCompileInductorWrapper(mode, options, dynamic, None)
+        inner = torch._TorchCompileInductorWrapper(mode, options, dynamic)  # 2.11-2.15: `name` optional or absent
     else:
         inner = torch._TorchCompileWrapper(backend, mode, options, dynamic)
     kw["backend"] = _FreshBackend(inner)
