@@ -157,6 +157,79 @@ def skip_frames_of(code: Any) -> Any:
     return lambda: set_code_exec_strategy(code, FrameExecStrategy(FrameAction.DEFAULT, FrameAction.DEFAULT))
 
 
+# ---- Dynamo internals the audit reads -----------------------------------------
+# Dynamo methods that log a graph break with the exception in a local named ``exc``
+# (torch 2.11-2.15: ``InstructionTranslatorBase.log_graph_break``); on 2.13 the
+# data-dependent-branch path (``jump_graph_break``) calls it outside any ``except``.
+_GRAPH_BREAK_LOGGERS = frozenset({"log_graph_break"})
+
+
+def graph_break_being_logged() -> BaseException | None:
+    """The exception Dynamo is logging as a graph break right now, from inside a log handler.
+
+    Read from the locals of Dynamo's ``log_graph_break`` frame on the current
+    stack (exact, whether or not an ``except`` block is active), else from
+    ``sys.exc_info()`` (the skip paths in ``convert_frame`` log inside their
+    ``except``).  ``None`` when neither has one.
+    """
+    import sys
+
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name in _GRAPH_BREAK_LOGGERS and "_dynamo" in frame.f_code.co_filename:
+            exc = frame.f_locals.get("exc")
+            if isinstance(exc, BaseException):
+                return exc
+        frame = frame.f_back
+    return sys.exc_info()[1]
+
+
+class _FreshBackend:
+    """A ``torch.compile`` backend equal to no other: Dynamo reuses no cache entry made by another call."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+
+    def __call__(self, gm: Any, example_inputs: Any, **kwargs: Any) -> Any:
+        return self._inner(gm, example_inputs, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:  # compiler_name, get_compiler_config, reset, ...
+        if name == "_inner":  # not set yet (copy, unpickling): no recursion
+            raise AttributeError(name)
+        return getattr(self._inner, name)
+
+
+def fresh_compile_kwargs(compile_kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``torch.compile`` kwargs for a compile that shares no Dynamo cache entry with any other call.
+
+    Dynamo reuses a code object's cache entries across ``torch.compile`` calls
+    whose backends compare equal (``torch._TorchCompileWrapper.__eq__``).  The
+    backend (resolved as ``torch.compile`` does, ``mode``/``options`` included) is
+    wrapped in an object equal only to itself, and where ``torch.compile`` has
+    ``isolate_recompiles`` (probed) the compile gets its own cache bucket, so its
+    entries neither count toward nor disturb other calls' recompile limits.
+    """
+    import inspect
+
+    kw = dict(compile_kwargs)
+    backend = kw.pop("backend", "inductor")
+    mode, options = kw.pop("mode", None), kw.pop("options", None)
+    if mode is None and options is None:
+        mode = "default"
+    dynamic = kw.get("dynamic")
+    if backend == "inductor":
+        inner = torch._TorchCompileInductorWrapper(mode, options, dynamic)  # 2.11-2.15: `name` optional or absent
+    else:
+        inner = torch._TorchCompileWrapper(backend, mode, options, dynamic)
+    kw["backend"] = _FreshBackend(inner)
+    try:
+        if "isolate_recompiles" in inspect.signature(torch.compile).parameters:
+            kw.setdefault("isolate_recompiles", True)
+    except (TypeError, ValueError):
+        pass
+    return kw
+
+
 # ---- torch.distributed -------------------------------------------------------
 @functools.cache
 def has_functional_op(name: str) -> bool:

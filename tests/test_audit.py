@@ -4,16 +4,28 @@ plus the in-process API (one process, no process group)."""
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
+import os
+import sysconfig
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
 from expecttest import TestCase
 from torch._dynamo.utils import counters
 
-from dynamo_ext.audit import audit, diff_reports, gate, report_from_json
-from dynamo_ext.audit.collector import collectives_in, parse_message
-from dynamo_ext.audit.identity import break_id, fix_for, is_distributed_cause, normalize_path, user_frame_index
+from dynamo_ext.audit import audit, diff_reports, gate, numerics, report_from_json
+from dynamo_ext.audit.collector import collective_sequence, collectives_in, parse_message
+from dynamo_ext.audit.identity import (
+    break_id,
+    fix_for,
+    is_distributed_cause,
+    normalize_path,
+    target_root,
+    user_frame_index,
+)
 from dynamo_ext.audit.merge import merge
 
 
@@ -47,7 +59,8 @@ def brk(
     }
 
 
-def comp(function="step", file="train.py", line=8, *, ops=5, recompile=None, colls=None, code_name=None):
+def comp(function="step", file="train.py", line=8, *, ops=5, recompile=None, colls=None, code_name=None, seq=None):
+    colls = colls or ({n: seq.count(n) for n in seq} if seq else {})
     return {
         "ev": "compile",
         "compile_id": "0/0",
@@ -57,8 +70,10 @@ def comp(function="step", file="train.py", line=8, *, ops=5, recompile=None, col
         "line": line,
         "op_count": ops,
         "has_graph": True,
-        "collectives": colls or {},
+        "collectives": colls,
         "backward_collectives": {},
+        "collective_sequence": seq if seq is not None else [n for n, k in sorted(colls.items()) for _ in range(k)],
+        "backward_collective_sequence": [],
         "time_s": 0.5,
         "recompile_reason": recompile,
         "fail_type": None,
@@ -98,17 +113,71 @@ class TestMerge(TestCase):
         self.assertEqual(r.hang_risks, ())
         self.assertEqual([x.dynamo_graph_breaks for x in r.ranks], [1, 1])
 
-    def test_break_on_some_ranks_is_a_hang_risk(self):
+    def test_break_on_some_ranks_is_divergent_not_a_hang_risk(self):
         r = report_of({0: run_events(brk(), comp()), 1: run_events(comp())})
-        self.assertTrue(r.graph_breaks[0].hang_risk)
+        self.assertTrue(r.graph_breaks[0].divergent)
+        self.assertFalse(r.graph_breaks[0].hang_risk)
         self.assertEqual(r.graph_breaks[0].ranks, (0,))
-        self.assertEqual(len(r.hang_risks), 1)
+        self.assertEqual(r.hang_risks, ())
+        self.assertEqual(gate(r), [])
 
-    def test_different_counts_or_ops_are_hang_risks(self):
-        r = report_of({0: run_events(brk(), brk(), comp(ops=5)), 1: run_events(brk(), comp(ops=6))})
-        self.assertTrue(r.graph_breaks[0].hang_risk)
-        self.assertTrue(r.graphs[0].hang_risk)
-        self.assertEqual(r.graphs[0].op_count_by_rank, ((0, 5), (1, 6)))
+    def test_rank_dependent_graphs_with_same_collectives_are_not_hang_risks(self):
+        # e.g. the plugin's rooted broadcast: the root's graph has other ops than the receivers'.
+        r = report_of(
+            {
+                0: run_events(comp(ops=5, seq=["broadcast", "all_reduce"])),
+                1: run_events(comp(ops=6, seq=["broadcast", "all_reduce"])),
+            }
+        )
+        (g,) = r.graphs
+        self.assertTrue(g.divergent)
+        self.assertFalse(g.hang_risk)
+        self.assertEqual(g.op_count_by_rank, ((0, 5), (1, 6)))
+        self.assertEqual(r.hang_risks, ())
+
+    def test_different_collective_sequence_is_a_hang_risk_and_fails_the_gate(self):
+        for seq0, seq1 in (
+            (["all_reduce", "all_reduce"], ["all_reduce"]),
+            (["all_reduce", "broadcast"], ["broadcast", "all_reduce"]),
+        ):
+            r = report_of({0: run_events(brk(), comp(seq=seq0)), 1: run_events(comp(seq=seq1))})
+            (g,) = r.graphs
+            self.assertTrue(g.hang_risk, (seq0, seq1))
+            self.assertTrue(r.graph_breaks[0].hang_risk)  # the divergent break in that code is where it comes from
+            (line,) = r.hang_risks
+            self.assertIn(f"rank 0: [{', '.join(seq0)}]", line)
+            self.assertIn(f"rank 1: [{', '.join(seq1)}]", line)
+            self.assertEqual(gate(r)[0], "1 hang risk(s), budget --max-hang-risks 0")
+            self.assertEqual(gate(r, max_hang_risks=1), [])
+            self.assertEqual(gate(r, max_hang_risks=None), [])
+
+    def test_graph_with_collectives_missing_on_a_rank_is_a_hang_risk(self):
+        r = report_of({0: run_events(comp(), comp("other", line=20, seq=["all_reduce"])), 1: run_events(comp())})
+        risky = [g.id for g in r.graphs if g.hang_risk]
+        self.assertEqual(risky, ["train.py:20 other"])
+
+    def test_graph_identity_is_code_and_reason_not_compile_order(self):
+        # Rank 0 recompiles `step` once more than rank 1; `other`'s identity must not shift.
+        rc = "0/1: tensor 'x' size mismatch at index 0. expected 4, actual 5"
+        r = report_of(
+            {
+                0: run_events(comp(), comp(recompile=rc), comp("other", line=20)),
+                1: run_events(comp(), comp("other", line=20)),
+            }
+        )
+        ids = {g.id: g for g in r.graphs}
+        self.assertEqual(
+            sorted(ids),
+            [
+                "train.py:20 other",
+                "train.py:8 step",
+                "train.py:8 step | recompile: tensor 'x' size mismatch at index 0. expected 4, actual 5",
+            ],
+        )
+        self.assertFalse(ids["train.py:20 other"].divergent)
+        self.assertEqual(ids["train.py:20 other"].ranks, (0, 1))
+        self.assertTrue(ids[sorted(ids)[2]].divergent)
+        self.assertEqual(r.hang_risks, ())  # no collectives in the extra graph
 
     def test_single_rank_never_diverges(self):
         r = report_of({0: run_events(brk())})
@@ -151,13 +220,34 @@ class TestIdentity(TestCase):
     def test_break_id(self):
         self.assertEqual(break_id("gb", "a/b.py", 3, "f"), "gb | a/b.py:3 | f")
 
-    def test_normalize_path(self):
-        self.assertEqual(normalize_path("/repo/pkg/m.py", cwd="/repo"), "pkg/m.py")
+    def test_normalize_path_is_never_absolute(self):
+        self.assertEqual(normalize_path("/repo/pkg/m.py", root="/repo"), "pkg/m.py")
         self.assertEqual(
-            normalize_path("/venv/lib/python3.11/site-packages/transformers/x.py", cwd="/repo"), "transformers/x.py"
+            normalize_path("/venv/lib/python3.11/site-packages/transformers/x.py", root="/repo"), "transformers/x.py"
         )
-        self.assertEqual(normalize_path("<eval_with_key>.15", cwd="/repo"), "<fx-generated>")
-        self.assertEqual(normalize_path("/elsewhere/m.py", cwd="/repo"), "/elsewhere/m.py")
+        # A virtualenv under the root is still an installed package.
+        self.assertEqual(
+            normalize_path("/repo/.venv/lib/python3.11/site-packages/torch/a.py", root="/repo"), "torch/a.py"
+        )
+        self.assertEqual(normalize_path("<eval_with_key>.15", root="/repo"), "<fx-generated>")
+        self.assertEqual(normalize_path("/elsewhere/deep/m.py", root="/repo"), "<external>/deep/m.py")
+        self.assertEqual(
+            normalize_path(os.path.join(sysconfig.get_paths()["stdlib"], "contextlib.py")), "<stdlib>/contextlib.py"
+        )
+
+    def test_target_root_and_machine_independent_identity(self):
+        # The same checkout at two places on two machines gives the same identities.
+        with tempfile.TemporaryDirectory() as a, tempfile.TemporaryDirectory() as b:
+            for base in (a, b):
+                os.makedirs(os.path.join(base, "proj", "scripts"))
+                open(os.path.join(base, "proj", "pyproject.toml"), "w").close()
+            paths = [os.path.join(base, "proj", "scripts", "train.py") for base in (a, b)]
+            roots = [target_root(p) for p in paths]
+            self.assertEqual(roots, [os.path.join(base, "proj") for base in (a, b)])
+            self.assertEqual({normalize_path(p, root=r) for p, r in zip(paths, roots)}, {"scripts/train.py"})
+            # No marker: the script's own directory.
+            lone = os.path.join(a, "lone.py")
+            self.assertEqual(normalize_path(lone, root=target_root(lone)), "lone.py")
 
     def test_user_frame_is_deepest_outside_torch(self):
         torch_file = torch.__file__.replace("__init__.py", "distributed/distributed_c10d.py")
@@ -203,12 +293,14 @@ class TestParsing(TestCase):
 
     def test_collectives_in_graph_text(self):
         text = """
+        # File: funcol.py:179 in all_reduce, code: tensor = torch.ops._c10d_functional.all_reduce(
         all_reduce = torch.ops._c10d_functional.all_reduce.default(x, 'sum', '0')
         wait_tensor = torch.ops._c10d_functional.wait_tensor.default(all_reduce)
         ag = torch.ops._c10d_functional.all_gather_into_tensor.default(y, 2, '0')
         ar2 = torch.ops._c10d_functional.all_reduce.default(z, 'sum', '1')
         """
         self.assertEqual(collectives_in(text), {"all_reduce": 2, "all_gather_into_tensor": 1})
+        self.assertEqual(collective_sequence(text), ["all_reduce", "all_gather_into_tensor", "all_reduce"])
 
 
 def _sample():
@@ -321,16 +413,20 @@ def _looped(x):
     return x
 
 
+def _counter_snapshot():
+    return {k: dict(v) for k, v in counters.items() if v}
+
+
 class TestApi(TestCase):
     def test_counts_equal_dynamo_counters(self):
         report = audit(_two_breaks, torch.ones(4), backend="eager")
-        self.assertEqual(report.ranks[0].graph_breaks, sum(counters["graph_break"].values()))
+        self.assertEqual(report.ranks[0].graph_breaks, report.ranks[0].dynamo_graph_breaks)
         self.assertEqual(report.ranks[0].graph_breaks, 2)
         lines = sorted(b.line for b in report.graph_breaks)
         first = _two_breaks.__code__.co_firstlineno
         self.assertEqual(lines, [first + 2, first + 3])
         self.assertTrue(
-            all(b.file.endswith("test_audit.py") and b.function == "_two_breaks" for b in report.graph_breaks)
+            all(b.file == "tests/test_audit.py" and b.function == "_two_breaks" for b in report.graph_breaks)
         )
         self.assertEqual(report.ranks[0].graphs, 3)
         self.assertEqual(
@@ -339,7 +435,7 @@ class TestApi(TestCase):
 
     def test_break_in_skipped_frame_still_counts(self):
         report = audit(_looped, torch.ones(4), backend="eager")
-        self.assertEqual(sum(counters["graph_break"].values()), 0)  # Dynamo's counter misses it
+        self.assertEqual(report.ranks[0].dynamo_graph_breaks, 0)  # Dynamo's counter misses it
         (b,) = report.graph_breaks
         self.assertEqual((b.kind, b.wrapper), ("frame_skip", "graph break in loop"))
         self.assertEqual(b.line, _looped.__code__.co_firstlineno + 3)
@@ -351,3 +447,170 @@ class TestApi(TestCase):
 
         with pytest.raises(ValueError, match="boom"):
             audit(boom, torch.ones(2), backend="eager")
+
+    def test_restores_dynamo_state_and_counters(self):
+        # Another compiled function of the caller keeps its cache entry (no torch._dynamo.reset()),
+        # a function compiled earlier is compiled afresh for the report, and the counters are as before.
+        def other(x):
+            return x.sin()
+
+        def step(x):
+            print("restores")
+            return x + 1
+
+        compiled_other = torch.compile(other, backend="eager")
+        compiled_other(torch.ones(3))
+        torch.compile(step, backend="eager")(torch.ones(3))
+        before = _counter_snapshot()
+        report = audit(step, torch.ones(3), backend="eager")
+        self.assertEqual([b.source for b in report.graph_breaks], ['print("restores")'])
+        self.assertEqual(report.ranks[0].dynamo_graph_breaks, 1)
+        self.assertEqual(_counter_snapshot(), before)
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            compiled_other(torch.ones(3))  # would raise if its entry had been dropped or shadowed
+
+
+# ---- one target per kind of graph break (tests/audit_targets/break_kinds.py) -----------------
+_KINDS = Path(__file__).resolve().parent / "audit_targets" / "break_kinds.py"
+
+
+def _break_kinds():
+    spec = importlib.util.spec_from_file_location("audit_break_kinds", _KINDS)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _marker_line(marker):
+    return next(n for n, line in enumerate(_KINDS.read_text().splitlines(), 1) if marker in line)
+
+
+@pytest.mark.parametrize(
+    ("name", "marker", "gb_type", "kind", "wrapper", "function"),
+    [
+        ("data_dependent_branch", "BREAK_DATA_DEPENDENT", "Data-dependent branching", "graph_break", "", None),
+        ("unsupported_call", "BREAK_UNSUPPORTED_CALL", "Failed to trace builtin operator", "graph_break", "", None),
+        (
+            "skipped_frame",
+            "BREAK_SKIPPED_FRAME",
+            "Failed to trace builtin operator",
+            "frame_skip",
+            "graph break in loop",
+            None,
+        ),
+        ("disabled", "BREAK_DISABLED", "Skip calling `torch.compiler.disable()`d function", "graph_break", "", None),
+        (
+            "generic_context_manager",
+            "BREAK_GENERIC_CONTEXT",
+            "Failed to trace builtin operator",
+            "frame_skip",
+            "Graph break under GenericContextWrappingVariable",
+            None,
+        ),
+        ("recompile_limit", "BREAK_RECOMPILE_LIMIT", "Dynamo recompile limit exceeded", "frame_skip", "", "_scaled"),
+    ],
+)
+def test_each_kind_of_break_at_its_line_with_its_gb_type(name, marker, gb_type, kind, wrapper, function):
+    fn = getattr(_break_kinds(), name)
+    with torch._dynamo.config.patch(recompile_limit=2, automatic_dynamic_shapes=False):
+        report = audit(fn, torch.ones(3), backend="eager")
+    line = _marker_line(marker)
+    by_line = {(b.file, b.line): b for b in report.graph_breaks}
+    b = by_line[("tests/audit_targets/break_kinds.py", line)]
+    assert (b.gb_type, b.kind, b.wrapper, b.function) == (gb_type, kind, wrapper, function or name), b
+    assert marker in b.source
+    assert b.id == f"{gb_type} | tests/audit_targets/break_kinds.py:{line} | {function or name}"
+    r = report.ranks[0]
+    # The audit's count agrees with Dynamo's counter, plus the breaks Dynamo misses (2.13: data-dependent).
+    assert r.graph_breaks == r.dynamo_graph_breaks + r.dynamo_missed, r
+
+
+# ---- the numerics check (dynamo_ext/audit/numerics.py), in-process ----------------------------
+_WRONG = Path(__file__).resolve().parent / "audit_targets" / "numerics_wrong.py"
+
+
+def _numerics_wrong():
+    spec = importlib.util.spec_from_file_location("audit_numerics_wrong", _WRONG)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _linear_step(scale_loss_under_compile):
+    def make_step():
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 2)
+        optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        x = torch.randn(3, 4)
+
+        def loss_fn(x):
+            loss = model(x).square().mean()
+            if scale_loss_under_compile and torch.compiler.is_compiling():
+                loss = loss * 1.01
+            return loss
+
+        compiled = torch.compile(loss_fn, backend="eager")
+
+        def step(use_compile):
+            loss = (compiled if use_compile else loss_fn)(x)
+            loss.backward()
+            return loss
+
+        return model, optim, step
+
+    return make_step
+
+
+class TestNumerics(TestCase):
+    def test_equal_step_has_no_mismatch_and_counts_every_tensor(self):
+        report = audit(_two_breaks, torch.ones(4), backend="eager", check_numerics=_linear_step(False))
+        n = report.numerics
+        self.assertEqual(n.mismatches, ())
+        self.assertEqual(n.compared, 1 + 2 + 2)  # loss; weight and bias gradients; weight and bias after AdamW
+        self.assertEqual(gate(report), [])
+        self.assertIn("0 mismatches", str(report))
+
+    def test_value_changed_only_under_compile_fails_the_gate_naming_the_loss(self):
+        report = audit(_two_breaks, torch.ones(4), backend="eager", check_numerics=_linear_step(True))
+        first = report.numerics.first
+        self.assertEqual((first.kind, first.name, first.rank), ("output", "loss", 0))
+        self.assertAlmostEqual(first.max_rel, 0.01, places=5)
+        # The 1% larger loss also scales every gradient; AdamW's update is scale-invariant in its first step.
+        self.assertEqual([m.name for m in report.numerics.mismatches if m.kind == "grad"], ["weight", "bias"])
+        problems = gate(report)
+        self.assertTrue(problems[0].startswith("numerics: 3 tensor(s) differ between the compiled and the eager step"))
+        self.assertIn("first: output loss on rank 0: max abs error", problems[0])
+        self.assertIn("MISMATCH", str(report))
+
+    def test_gradient_wrong_only_under_compile_names_the_parameter(self):
+        report = audit(_two_breaks, torch.ones(4), backend="eager", check_numerics=_numerics_wrong().make_step)
+        ms = report.numerics.mismatches
+        self.assertEqual((ms[0].kind, ms[0].name), ("grad", "lin.weight"))
+        self.assertAlmostEqual(ms[0].max_rel, 0.01, delta=2e-3)
+        self.assertNotIn("output", {m.kind for m in ms})
+        self.assertIn(("param", "lin.weight"), {(m.kind, m.name) for m in ms})
+
+    def test_mismatch_in_type_or_shape_is_named_not_compared(self):
+        self.assertIsNone(numerics.compare("w", "grad", torch.ones(2), torch.ones(2), None, None))
+        m = numerics.compare("w", "grad", torch.ones(2), None, None, None)
+        self.assertEqual((m["detail"], m["max_abs"]), ("eager Tensor, compiled None", None))
+        m = numerics.compare("w", "param", torch.ones(2), torch.ones(3), None, None)
+        self.assertEqual(m["detail"], "eager torch.float32[2], compiled torch.float32[3]")
+        m = numerics.compare("w", "param", torch.zeros(2), torch.tensor([0.0, 1e-3]), None, None)
+        self.assertEqual(m["max_abs"], pytest.approx(1e-3))
+        self.assertIsNone(numerics.compare("w", "param", torch.zeros(2), torch.tensor([0.0, 1e-3]), 0.0, 1e-2))
+
+    def test_bad_make_step_results_are_clear_errors(self):
+        with self.assertRaisesRegex(TypeError, r"make_step\(\) must return dynamo_ext.audit.Step or a \(model"):
+            numerics.as_step(lambda c: None)
+        with self.assertRaisesRegex(TypeError, "model must be a torch.nn.Module, got int"):
+            numerics.as_step((1, None, lambda c: None))
+        with self.assertRaisesRegex(ValueError, "give both rtol and atol"):
+            audit(_two_breaks, torch.ones(4), backend="eager", check_numerics=_linear_step(False), rtol=1e-3)
+
+    def test_numerics_round_trip_in_json(self):
+        report = audit(_two_breaks, torch.ones(4), backend="eager", check_numerics=_linear_step(True))
+        data = json.loads(json.dumps(report.to_json()))
+        self.assertEqual(data["totals"]["numerics_mismatches"], 3)
+        self.assertEqual(data["numerics"]["mismatches"][0]["name"], "loss")
+        self.assertEqual(report_from_json(data), report)

@@ -121,6 +121,77 @@ def test_stock_counts_and_skipped_frame_and_recompile():
 
 
 @pytest.mark.gloo
+def test_hang_risk_only_where_collectives_differ_and_identities_are_machine_independent():
+    """Rank-dependent graphs: `agree` is fine, `differ` fails the gate; `later` keeps its identity although
+    rank 1 recompiled `shaped` once more; run from another directory with an absolute target path, the
+    files are still relative to the checkout."""
+    target = TARGETS / "rank_dependent.py"
+    rel = str(target.relative_to(REPO))
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "rd.json")
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+        proc = subprocess.run(
+            [sys.executable, "-m", "dynamo_ext", "audit", "--nproc", "2", "--quiet", "--json", out, str(target)],
+            cwd=tmp,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=240,
+        )
+        assert proc.returncode == 1, proc.stderr[-3000:]
+        data = json.loads(Path(out).read_text())
+    graphs = {g["id"]: g for g in data["graphs"]}
+    agree = graphs[f"{rel}:{marker_line(target, 'def agree')} agree"]
+    assert agree["divergent"] and not agree["hang_risk"], agree
+    assert dict(agree["op_count_by_rank"])[0] != dict(agree["op_count_by_rank"])[1]
+    assert agree["collective_sequence_by_rank"] == [[0, ["all_reduce"]], [1, ["all_reduce"]]]
+    differ = graphs[f"{rel}:{marker_line(target, 'def differ')} differ"]
+    assert differ["hang_risk"], differ
+    assert differ["collective_sequence_by_rank"] == [[0, ["all_reduce"]], [1, []]]
+    later = graphs[f"{rel}:{marker_line(target, 'def later')} later"]
+    assert later["ranks"] == [0, 1] and not later["divergent"], later
+    (extra,) = [g for g in data["graphs"] if "| recompile: tensor 'x' size mismatch" in g["id"]]
+    assert extra["ranks"] == [1] and extra["divergent"] and not extra["hang_risk"]
+    (risk,) = data["totals"]["hang_risks"]
+    assert f"{rel}:{marker_line(target, 'def differ')} differ" in risk
+    assert "budget --max-hang-risks 0" in proc.stderr
+    assert all(not g["file"].startswith("/") for g in data["graphs"])
+    assert all(not r["file"].startswith("/") for r in data["recompiles"])
+
+
+@pytest.mark.gloo
+def test_numerics_gate_names_the_gradient_wrong_only_under_compile():
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "nw.json")
+        proc = cli("--nproc", "2", "--quiet", "--check-numerics", "--json", out, str(TARGETS / "numerics_wrong.py"))
+        assert proc.returncode == 1, proc.stderr[-3000:]
+        data = json.loads(Path(out).read_text())
+    assert "numerics: " in proc.stderr and "first: gradient of lin.weight on rank 0: max abs error" in proc.stderr
+    num = data["numerics"]
+    assert num["ranks"] == [0, 1] and num["compared"] == 1 + 1 + 4 + 4  # loss, out, 4 grads, 4 params
+    first = num["mismatches"][0]
+    assert (first["kind"], first["name"], first["rank"]) == ("grad", "lin.weight", 0)
+    assert {m["rank"] for m in num["mismatches"]} == {0, 1}
+    assert data["totals"]["numerics_mismatches"] == len(num["mismatches"])
+
+
+@pytest.mark.gloo
+def test_bundled_example_compiled_step_equals_eager():
+    """The bundled Llama TP + FSDP2 example (4 ranks): numerics on by default, 0 mismatches, no hang risk."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "llama.json")
+        proc = cli("--quiet", "--json", out, timeout=900)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        data = json.loads(Path(out).read_text())
+    num = data["numerics"]
+    assert num["ranks"] == [0, 1, 2, 3]
+    assert num["mismatches"] == [], num["mismatches"][:3]
+    assert num["compared"] > 2 * 20  # loss, logits, every gradient and parameter
+    assert data["totals"]["hang_risks"] == []
+    assert all("#" not in g["id"] and not g["file"].startswith("/") for g in data["graphs"])
+
+
+@pytest.mark.gloo
 def test_gate_budget_and_baseline(known_run):
     _, tmp = known_run
     base = tmp / "out.json"

@@ -12,7 +12,19 @@ The command line (``dynamo-ext audit``, :mod:`.cli`) runs a script or a
 from typing import Any
 
 from .diff import BreakDiff, diff_reports, gate
-from .records import AuditReport, Frame, Graph, GraphBreak, RankSummary, Recompile, load_report, report_from_json
+from .numerics import Step, check_step
+from .records import (
+    AuditReport,
+    Frame,
+    Graph,
+    GraphBreak,
+    Numerics,
+    NumericsMismatch,
+    RankSummary,
+    Recompile,
+    load_report,
+    report_from_json,
+)
 
 __all__ = [
     "AuditReport",
@@ -20,9 +32,13 @@ __all__ = [
     "Frame",
     "Graph",
     "GraphBreak",
+    "Numerics",
+    "NumericsMismatch",
     "RankSummary",
     "Recompile",
+    "Step",
     "audit",
+    "check_step",
     "diff_reports",
     "gate",
     "load_report",

@@ -2,22 +2,58 @@
 
 from __future__ import annotations
 
+import copy
+import inspect
 import os
+from collections.abc import Callable
 from typing import Any
 
 from .collector import Collector, dynamo_counters
+from .identity import target_root
 from .merge import merge
+from .numerics import as_step, check_step
 from .records import AuditReport
 
 
-def audit(fn: Any, *args: Any, **compile_kwargs: Any) -> AuditReport:
+def _source_file(fn: Any) -> str | None:
+    target = getattr(fn, "forward", fn)  # an nn.Module: where its forward is
+    try:
+        return inspect.getsourcefile(inspect.unwrap(target))
+    except (TypeError, OSError):
+        return None
+
+
+def audit(
+    fn: Any,
+    *args: Any,
+    check_numerics: Callable[[], Any] | None = None,
+    rtol: float | None = None,
+    atol: float | None = None,
+    **compile_kwargs: Any,
+) -> AuditReport:
     """Compile ``fn`` with ``torch.compile(fn, **compile_kwargs)``, call it once on ``args``, report.
 
     Runs in this process, on this rank (the report has one rank: this one's
     ``dist.get_rank()``, or 0 without a process group).  The plugin is used
     when it is installed (``dynamo_ext.install()`` / ``with dynamo_ext.enabled():``).
-    Dynamo's caches and counters are reset first, so the report covers exactly
-    this call.  An exception from ``fn`` propagates.
+
+    The report covers exactly this call, and the calling process's Dynamo state
+    is left as it was: the compile uses a backend equal to no other and its own
+    cache bucket (:func:`dynamo_ext._compat.fresh_compile_kwargs`), so earlier
+    compiles of ``fn`` are neither reused nor disturbed (no ``torch._dynamo.reset()``); and
+    ``torch._dynamo.utils.counters`` are restored to their values before the
+    call (the report's ``dynamo_graph_breaks`` is this call's increment).
+    Files in identities are relative to the root of ``fn``'s source
+    (:func:`.identity.target_root`).  An exception from ``fn`` propagates.
+
+    ``check_numerics``: a ``make_step`` callable (docs/audit.md, "Numerics
+    check"; :mod:`.numerics`); after the audited call, its step runs eagerly and
+    compiled from the same state and ``report.numerics`` says which tensors
+    differ (``rtol``/``atol``: as ``torch.testing.assert_close``, both or neither).
+    Its compiles are not part of the audit's counts.
+
+    Raises:
+        ValueError: only one of ``rtol``/``atol`` given.
     """
     import torch
     import torch.distributed as dist
@@ -25,10 +61,14 @@ def audit(fn: Any, *args: Any, **compile_kwargs: Any) -> AuditReport:
     import dynamo_ext
     from dynamo_ext import _compat
 
+    if (rtol is None) != (atol is None):
+        raise ValueError("give both rtol and atol, or neither (the per-dtype defaults of torch.testing.assert_close)")
     rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-    torch._dynamo.reset()
-    _compat.dynamo_counters().clear()
-    collector = Collector()
+    counters = _compat.dynamo_counters()
+    saved = copy.deepcopy(dict(counters))
+    before = dynamo_counters()
+    source = _source_file(fn)
+    collector = Collector(root=target_root(source) if source else None)
     collector.record(
         {
             "ev": "start",
@@ -38,11 +78,22 @@ def audit(fn: Any, *args: Any, **compile_kwargs: Any) -> AuditReport:
         }
     )
     collector.start()
+    finished = False
     try:
-        torch.compile(fn, **compile_kwargs)(*args)
+        torch.compile(fn, **_compat.fresh_compile_kwargs(compile_kwargs))(*args)
+        finished = True
     finally:
         collector.stop()
-        collector.record({"ev": "end", "counters": dynamo_counters()})
+        after = dynamo_counters()
+        delta = {k: after[k] - before.get(k, 0) for k in after}
+        delta["graph_break_missed"] = collector.dynamo_missed()
+        collector.record({"ev": "end", "counters": delta})
+        try:
+            if check_numerics is not None and finished:
+                collector.record({"ev": "numerics", **check_step(as_step(check_numerics()), rtol=rtol, atol=atol)})
+        finally:
+            counters.clear()
+            counters.update(saved)
     name = getattr(fn, "__qualname__", None) or type(fn).__name__
     module = getattr(fn, "__module__", None)
     report = merge(
@@ -60,6 +111,13 @@ def audit(fn: Any, *args: Any, **compile_kwargs: Any) -> AuditReport:
             graph_breaks=tuple(
                 dataclasses.replace(b, ranks=(rank,), count_by_rank=tuple((rank, n) for _, n in b.count_by_rank))
                 for b in report.graph_breaks
+            ),
+            numerics=None
+            if report.numerics is None
+            else dataclasses.replace(
+                report.numerics,
+                ranks=(rank,),
+                mismatches=tuple(dataclasses.replace(m, rank=rank) for m in report.numerics.mismatches),
             ),
         )
     return report

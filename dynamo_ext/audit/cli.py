@@ -1,7 +1,9 @@
 """``dynamo-ext audit [options] [TARGET] [-- ARGS...]`` and ``dynamo-ext audit diff OLD.json NEW.json``.
 
 Exit status: 0 when the run finished and passed the gate; 1 when a budget
-(``--max-breaks``, ``--max-recompiles``) is exceeded or a break that
+(``--max-breaks``, ``--max-recompiles``, ``--max-hang-risks``) is exceeded,
+``--check-numerics`` found a tensor that differs between the compiled and the
+eager step, or a break that
 ``--baseline`` does not have appears; 2 on an error (bad input, a rank that
 raised, died or hung).  Reports asked for with ``--json``/``--html`` are written
 in every case, with whatever was collected.
@@ -49,6 +51,27 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--max-recompiles", type=int, default=None, metavar="K", help="exit 1 when a rank recompiles more than K times"
     )
+    p.add_argument(
+        "--max-hang-risks",
+        type=int,
+        default=0,
+        metavar="K",
+        help="exit 1 when more than K graphs issue different collective sequences on different ranks (default 0)",
+    )
+    p.add_argument(
+        "--check-numerics",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="also run the target's make_step() compiled and eagerly from the same state and compare outputs, "
+        "gradients and parameters; exit 1 on a difference (default: on for the bundled example, else off)",
+    )
+    p.add_argument(
+        "--rtol",
+        type=float,
+        default=None,
+        help="numerics tolerance (with --atol; default: torch.testing.assert_close's per dtype)",
+    )
+    p.add_argument("--atol", type=float, default=None, help="numerics tolerance (with --rtol)")
     p.add_argument("--baseline", metavar="FILE", help="exit 1 on a graph break that this earlier --json report lacks")
     p.add_argument(
         "--timeout", type=float, default=300.0, metavar="S", help="kill the ranks after S seconds (default 300)"
@@ -113,6 +136,9 @@ def _audit(argv: list[str]) -> int:
         return fail(f"--nproc must be at least 1, got {nproc}")
     if args.timeout <= 0:
         return fail(f"--timeout must be positive, got {args.timeout:g}")
+    if (args.rtol is None) != (args.atol is None):
+        return fail("give --rtol and --atol together (or neither, for torch.testing.assert_close's defaults)")
+    check_numerics = args.check_numerics if args.check_numerics is not None else args.target is None
     if args.compare_stock and args.no_plugin:
         return fail("--compare-stock already runs without the plugin; drop --no-plugin")
     baseline = None
@@ -150,6 +176,8 @@ def _audit(argv: list[str]) -> int:
             reports[label] = run_ranks(
                 target, target_args, nproc=nproc, backend=args.backend, plugin=plugin, timeout=args.timeout,
                 on_progress=show, keep_logs=args.keep_logs,
+                # The numerics check runs with the plugin (the stock run of --compare-stock is for counts).
+                check_numerics=check_numerics and (plugin or args.no_plugin), rtol=args.rtol, atol=args.atol,
             )  # fmt: skip
     import dataclasses
 
@@ -164,7 +192,13 @@ def _audit(argv: list[str]) -> int:
         logs = sorted({r.log for r in report.ranks if r.log})
         suffix = f"; rank logs under {os.path.commonpath(logs)}" if logs else ""
         return fail(errors[0] + suffix)
-    problems = gate(report, max_breaks=args.max_breaks, max_recompiles=args.max_recompiles, baseline=baseline)
+    problems = gate(
+        report,
+        max_breaks=args.max_breaks,
+        max_recompiles=args.max_recompiles,
+        baseline=baseline,
+        max_hang_risks=args.max_hang_risks,
+    )
     for p in problems:
         err.print(f"dynamo-ext audit: gate: {p}", markup=False, soft_wrap=True)
     return EXIT_GATE if problems else EXIT_OK

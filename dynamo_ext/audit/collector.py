@@ -28,7 +28,6 @@ import json
 import logging
 import os
 import re
-import sys
 import threading
 import time
 import traceback
@@ -47,6 +46,9 @@ _RESUME = re.compile(r"^torch_dynamo_resume_in_(.+)_at_\d+$")
 _COLLECTIVE = re.compile(r"(?:_c10d_functional(?:_autograd)?|c10d_functional|torch\.distributed\.\w+)\.(\w+)")
 _NOT_COLLECTIVES = {"wait_tensor", "default", "wait", "get_rank", "get_world_size"}
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+RECOMPILE_LIMIT_GB_TYPE = "Dynamo recompile limit exceeded"
+_CID_PREFIX = re.compile(r"^\s*!?[\d/]+:\s*", re.M)
+_USER_FRAME = re.compile(r'^\s*File "([^"]+)", line (\d+), in (\S+)', re.M)
 # Frames above Dynamo's callback that are not user code.
 _DROP_ABOVE = (
     os.path.join(_TORCH_DIR, "_dynamo"),
@@ -77,12 +79,21 @@ def parse_message(msg: str) -> tuple[str, str, tuple[str, ...], str]:
 def collectives_in(graph_text: str | None) -> dict[str, int]:
     """Collective op names and counts in a printed FX graph."""
     out: dict[str, int] = {}
+    for name in collective_sequence(graph_text):
+        out[name] = out.get(name, 0) + 1
+    return out
+
+
+def collective_sequence(graph_text: str | None) -> list[str]:
+    """Collective op names in the order a printed FX graph issues them (what ranks must agree on).
+
+    Only node lines count: the ``# File: ..., code: ...`` comments FX prints
+    above them quote the user's source, which names the collective again.
+    """
+    out = []
     for line in (graph_text or "").splitlines():
-        if "=" not in line:
-            continue
-        for name in _COLLECTIVE.findall(line.split("=", 1)[1]):
-            if name not in _NOT_COLLECTIVES:
-                out[name] = out.get(name, 0) + 1
+        if "=" in line and not line.lstrip().startswith("#"):
+            out += [n for n in _COLLECTIVE.findall(line.split("=", 1)[1]) if n not in _NOT_COLLECTIVES]
     return out
 
 
@@ -131,15 +142,19 @@ class Collector(logging.Handler):
 
     ``sink(event)`` receives each event as it happens (the CLI writes them to a
     file so a rank that dies leaves what it saw); ``events`` keeps them too.
+    Files in events are relative to ``root`` (the target's root, see
+    :func:`.identity.normalize_path`; default: the working directory).
     """
 
-    def __init__(self, sink: Callable[[dict[str, Any]], None] | None = None) -> None:
+    def __init__(self, sink: Callable[[dict[str, Any]], None] | None = None, *, root: str | None = None) -> None:
         super().__init__(level=logging.DEBUG)
+        self.root = root
         self.events: list[dict[str, Any]] = []
         self._sink = sink
         self._graphs: dict[str, dict[str, str]] = {}
         self._lock_events = threading.Lock()
         self._saved_levels: list[tuple[logging.Logger, int]] = []
+        self._break_excs: list[Any] = []
 
     # ---- lifecycle -------------------------------------------------------------
     def start(self) -> None:
@@ -165,6 +180,15 @@ class Collector(logging.Handler):
                 lg.removeHandler(_QUIET)
                 lg.propagate = True
         self._saved_levels = []
+
+    def dynamo_missed(self) -> int:
+        """Graph breaks seen here that Dynamo's ``counters["graph_break"]`` did not count.
+
+        Dynamo moves an ``Unsupported`` to the ``graph_break`` counter after logging
+        it (``exc.category``); on 2.13 the data-dependent-branch path never does.
+        Call after the compile finished.
+        """
+        return sum(1 for exc in self._break_excs if getattr(exc, "category", "graph_break") != "graph_break")
 
     def record(self, event: dict[str, Any]) -> None:
         """Keep ``event`` and pass it to the sink."""
@@ -195,9 +219,12 @@ class Collector(logging.Handler):
 
     # ---- events ---------------------------------------------------------------
     def _on_break(self, md: dict[str, Any], payload: str) -> None:
-        exc = sys.exc_info()[1]
+        # Not sys.exc_info(): on 2.13 a data-dependent branch is logged outside any except.
+        exc = _compat.graph_break_being_logged()
         skipped = payload.startswith(_SKIP_PREFIX) or bool(getattr(exc, "skip_frame", False))
         kind = "frame_skip" if skipped else "graph_break"
+        if kind == "graph_break":
+            self._break_excs.append(exc)
         # A wrapper such as "graph break in loop" is raised `from` the break that
         # caused it: the identity and the fix belong to the innermost cause.
         wrapper = getattr(exc, "gb_type", None) or ""
@@ -229,7 +256,7 @@ class Collector(logging.Handler):
                 "explanation": explanation,
                 "hints": list(hints),
                 "context": context,
-                "stack": [[normalize_path(f[0]), f[1], f[2], f[3]] for f in stack],
+                "stack": [[normalize_path(f[0], root=self.root), f[1], f[2], f[3]] for f in stack],
                 "user_index": idx,
                 "abs_file": abs_file,
                 "distributed": is_distributed_cause(gb_type, files, f"{msg}\n{context}"),
@@ -241,6 +268,8 @@ class Collector(logging.Handler):
     def _on_metrics(self, m: dict[str, Any]) -> None:
         cid = str(m.get("compile_id") or "")
         graphs = self._graphs.pop(cid, {})
+        if str(m.get("fail_reason") or "").startswith(RECOMPILE_LIMIT_GB_TYPE):
+            self._on_recompile_limit(m, cid)
         has_graph = "dynamo" in graphs or bool(m.get("graph_op_count"))
         self.record(
             {
@@ -248,17 +277,60 @@ class Collector(logging.Handler):
                 "compile_id": cid,
                 "function": _RESUME.sub(r"\1", str(m.get("co_name") or "")),
                 "code_name": str(m.get("co_name") or ""),
-                "file": normalize_path(str(m.get("co_filename") or "")),
+                "file": normalize_path(str(m.get("co_filename") or ""), root=self.root),
                 "line": int(m.get("co_firstlineno") or 0),
                 "op_count": int(m.get("graph_op_count") or 0),
                 "has_graph": has_graph,
                 "collectives": collectives_in(graphs.get("forward") or graphs.get("dynamo")),
                 "backward_collectives": collectives_in(graphs.get("backward")),
+                "collective_sequence": collective_sequence(graphs.get("forward") or graphs.get("dynamo")),
+                "backward_collective_sequence": collective_sequence(graphs.get("backward")),
                 "time_s": float(m.get("entire_frame_compile_time_s") or 0.0),
                 "recompile_reason": m.get("recompile_reason"),
                 "fail_type": m.get("fail_type"),
                 "fail_reason": m.get("fail_reason"),
                 "phase": _phase(None, cid),
+            }
+        )
+
+    def _on_recompile_limit(self, m: dict[str, Any], cid: str) -> None:
+        """Dynamo gave up compiling a frame (it runs eagerly from now on): a frame skip at the guarded line.
+
+        Dynamo logs no graph-break artifact for it, only ``compilation_metrics``
+        with ``fail_reason``; the user line is the last frame of the failed
+        guard's "User stack trace" (the line whose value keeps changing), else
+        the first line of the code object.
+        """
+        msg = str(m.get("fail_reason") or "")
+        first, explanation, hints, context = parse_message(msg)
+        reason = _CID_PREFIX.sub("", str(m.get("recompile_reason") or "")).strip()
+        frames = [[f, int(n), fn, ""] for f, n, fn in _USER_FRAME.findall(reason)]
+        if not frames and m.get("co_filename"):
+            frames = [[str(m["co_filename"]), int(m.get("co_firstlineno") or 0), str(m.get("co_name") or ""), ""]]
+        frames = frames or [["<unknown>", 0, "<unknown>", ""]]
+        for f in frames:
+            if not f[0].startswith("<"):
+                import linecache
+
+                f[3] = linecache.getline(f[0], f[1]).strip()
+        files = [f[0] for f in frames]
+        idx = user_frame_index(files)
+        self.record(
+            {
+                "ev": "break",
+                "kind": "frame_skip",
+                "gb_type": first or RECOMPILE_LIMIT_GB_TYPE,
+                "wrapper": "",
+                "reason": (reason.splitlines() or [first])[0].split("#")[0].strip(),
+                "explanation": explanation,
+                "hints": list(hints),
+                "context": context,
+                "stack": [[normalize_path(f[0], root=self.root), f[1], _RESUME.sub(r"\1", f[2]), f[3]] for f in frames],
+                "user_index": idx,
+                "abs_file": frames[idx][0],
+                "distributed": is_distributed_cause(first, files, f"{msg}\n{reason}"),
+                "phase": _phase(None, cid),
+                "compile_id": cid,
             }
         )
 

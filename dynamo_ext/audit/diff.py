@@ -40,14 +40,27 @@ def gate(
     max_breaks: int | None = None,
     max_recompiles: int | None = None,
     baseline: AuditReport | None = None,
+    max_hang_risks: int | None = 0,
 ) -> list[str]:
     """Why ``report`` fails the CI gate (empty when it passes).
 
     Budgets compare the worst rank's totals (:attr:`AuditReport.total_breaks`,
     :attr:`AuditReport.total_recompiles`); a baseline fails the gate on any break
-    whose identity it does not have.
+    whose identity it does not have; a tensor that differs between the compiled
+    and the eager step (:attr:`AuditReport.numerics`, when checked) fails it; more than ``max_hang_risks`` graphs whose
+    collective sequences differ across ranks (:attr:`AuditReport.hang_risks`)
+    fail it too (``None``: not checked).
     """
     problems = []
+    if report.numerics is not None and report.numerics.mismatches:
+        n = report.numerics
+        problems.append(
+            f"numerics: {len(n.mismatches)} tensor(s) differ between the compiled and the eager step; first: {n.first}"
+        )
+    risks = report.hang_risks
+    if max_hang_risks is not None and len(risks) > max_hang_risks:
+        problems.append(f"{len(risks)} hang risk(s), budget --max-hang-risks {max_hang_risks}")
+        problems += [f"hang risk: {r}" for r in risks]
     if max_breaks is not None and report.total_breaks > max_breaks:
         problems.append(f"{report.total_breaks} graph break(s) per rank, budget --max-breaks {max_breaks}")
     if max_recompiles is not None and report.total_recompiles > max_recompiles:

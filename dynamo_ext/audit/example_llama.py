@@ -10,6 +10,10 @@ under compiled autograd (the backward and its hooks traced too), the
 optimizer steps eagerly.  The same step runs eagerly on a copy of the model,
 and the loss and gradients must match it (:func:`check_against_eager` raises).
 
+``make_step()`` exposes the same step to the audit's numerics check
+(``--check-numerics``, on by default for this example): compiled vs eager
+from the same state.
+
 Also runnable under torchrun:
 ``torchrun --nproc-per-node 4 -m dynamo_ext.audit.example_llama``.
 Environment knobs: ``DYNAMO_EXT_EXAMPLE_BACKEND`` (default ``aot_eager``),
@@ -22,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -176,13 +181,19 @@ def check_against_eager(model: nn.Module, reference: nn.Module, loss: torch.Tens
         raise RuntimeError(f"rank {dist.get_rank()}: the compiled step differs from eager: " + "; ".join(problems[:5]))
 
 
-def main() -> None:
-    """One compiled training step on a (dp=2, tp=2) mesh, checked against eager; needs 4 ranks."""
+def make_step() -> tuple[Decoder, torch.optim.Optimizer, Callable[[bool], torch.Tensor]]:
+    """The audit's step protocol (docs/audit.md, "Numerics check"): the parallelized model, AdamW, ``step(compiled)``.
+
+    ``step(True)`` runs the forward through ``torch.compile`` and ``loss.backward()``
+    under compiled autograd (unless ``DYNAMO_EXT_EXAMPLE_COMPILED_AUTOGRAD=0``);
+    ``step(False)`` runs both eagerly.  Both return ``{"loss", "logits"}``.  Needs
+    the default process group with 4 ranks.
+
+    Raises:
+        ValueError: the world size is not 4.
+    """
     from torch.distributed.device_mesh import init_device_mesh
 
-    created = not dist.is_initialized()
-    if created:
-        dist.init_process_group("gloo")
     world = dist.get_world_size()
     if world != 4:
         raise ValueError(f"the bundled example needs 4 ranks for its (dp=2, tp=2) mesh, got {world}; use --nproc 4")
@@ -193,22 +204,32 @@ def main() -> None:
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     torch.manual_seed(0)
     model = parallelize(Decoder(cfg), mesh)
-    torch.manual_seed(0)
-    reference = parallelize(Decoder(cfg), mesh)  # the same step, eagerly, to check the compiled one
     optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
     compiled = torch.compile(model, backend=backend)
 
     dp_rank = mesh["dp"].get_local_rank()
     gen = torch.Generator().manual_seed(1234 + dp_rank)  # same batch on both tp ranks of a dp group
     tokens = torch.randint(0, cfg.vocab, (cfg.batch, cfg.seq + 1), generator=gen)
-    logits = compiled(tokens[:, :-1])
-    loss = F.cross_entropy(logits.reshape(-1, cfg.vocab), tokens[:, 1:].reshape(-1))
-    with compiled_backward(backend, enabled=trace_backward):
-        loss.backward()
-    ref_logits = reference(tokens[:, :-1])
-    ref_loss = F.cross_entropy(ref_logits.reshape(-1, cfg.vocab), tokens[:, 1:].reshape(-1))
-    ref_loss.backward()
-    check_against_eager(model, reference, loss, ref_loss)
+
+    def step(use_compile: bool) -> dict[str, torch.Tensor]:
+        logits = (compiled if use_compile else model)(tokens[:, :-1])
+        loss = F.cross_entropy(logits.reshape(-1, cfg.vocab), tokens[:, 1:].reshape(-1))
+        with compiled_backward(backend, enabled=trace_backward and use_compile):
+            loss.backward()
+        return {"loss": loss, "logits": logits}
+
+    return model, optim, step
+
+
+def main() -> None:
+    """One compiled training step on a (dp=2, tp=2) mesh, checked against eager; needs 4 ranks."""
+    created = not dist.is_initialized()
+    if created:
+        dist.init_process_group("gloo")
+    model, optim, step = make_step()
+    loss = step(True)["loss"]
+    reference, _, reference_step = make_step()  # the same step, eagerly, from the same initial state
+    check_against_eager(model, reference, loss, reference_step(False)["loss"])
     optim.step()
     optim.zero_grad()
     if dist.get_rank() == 0:

@@ -134,10 +134,23 @@ def render_html(report: AuditReport) -> str:
     ]
     errors = "".join(f'<p class="bad">error: {escape(e)}</p>' for e in report.errors)
     risk_html = (
-        '<h2 class="risk">Hang risk: ranks diverge</h2><ul>' + "".join(f"<li>{escape(x)}</li>" for x in risks) + "</ul>"
+        '<h2 class="risk">Hang risk: collective sequences differ across ranks</h2><ul>'
+        + "".join(f"<li>{escape(x)}</li>" for x in risks)
+        + "</ul>"
         if risks
         else ""
     )
+    num = report.numerics
+    if num is not None:
+        head = f"{num.compared} tensors compared per rank on ranks {', '.join(map(str, num.ranks))}: "
+        risk_html += (
+            f'<h2 class="bad">Numerics: compiled step differs from eager</h2><p>{escape(head)}'
+            f"{len(num.mismatches)} differ; first: <b>{escape(str(num.first))}</b></p><ul>"
+            + "".join(f"<li>{escape(str(m))}</li>" for m in num.mismatches[:50])
+            + "</ul>"
+            if num.mismatches
+            else f'<h2>Numerics</h2><p class="ok">{escape(head)}compiled step equals eager.</p>'
+        )
     stock_line = ""
     if report.stock is not None:
         stock_line = (

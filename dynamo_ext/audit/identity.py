@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+import sysconfig
 from collections.abc import Sequence
 
 import torch
@@ -18,6 +19,7 @@ from .. import graph_breaks
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _FX_FILE = re.compile(r"<eval_with_key>\.\d+")
 _SITE = re.compile(r".*[/\\](?:site|dist)-packages[/\\]")
+_STDLIB = sysconfig.get_paths()["stdlib"].rstrip(os.sep) + os.sep
 
 # Our own gb_types, and stock paths and words that mean distributed code.
 PLUGIN_GB_TYPES = frozenset(t.gb_type for t in graph_breaks.ALL)
@@ -27,19 +29,50 @@ _DIST_WORDS = re.compile(
 )
 
 
-def normalize_path(path: str, *, cwd: str | None = None) -> str:
-    """``path`` relative to ``cwd`` when under it, else from after ``site-packages/``, else as is."""
+_ROOT_MARKERS = ("pyproject.toml", "setup.py", "setup.cfg", ".git")
+
+
+def target_root(path: str) -> str:
+    """The root identities are relative to: the nearest directory at or above ``path`` holding a
+    ``pyproject.toml``, ``setup.py``, ``setup.cfg`` or ``.git``; else ``path``'s own directory.
+
+    ``path`` is the target script, or the file of a ``module:function`` target's module
+    (its import root is then found the same way).
+    """
+    ap = os.path.abspath(path)
+    start = ap if os.path.isdir(ap) else os.path.dirname(ap)
+    d = start
+    while True:
+        if any(os.path.exists(os.path.join(d, m)) for m in _ROOT_MARKERS):
+            return d
+        parent = os.path.dirname(d)
+        if parent == d:
+            return start
+        d = parent
+
+
+def normalize_path(path: str, *, root: str | None = None) -> str:
+    """``path`` as it appears in identities: never an absolute path of this machine.
+
+    From after ``site-packages/`` for installed packages; relative to ``root``
+    (the target's root, :func:`target_root`; default: the working directory) when
+    under it; ``<stdlib>/...`` for Python's own library; else ``<external>/`` and
+    the file's last two path components.  FX's generated code is ``<fx-generated>``.
+    """
     if not path or path.startswith("<"):
         # FX's generated code (compiled autograd graphs) is numbered per process.
         return _FX_FILE.sub("<fx-generated>", path or "")
-    cwd = cwd or os.getcwd()
+    root = os.path.abspath(root or os.getcwd())
     ap = os.path.abspath(path)
-    if ap.startswith(cwd.rstrip(os.sep) + os.sep):
-        return os.path.relpath(ap, cwd)
-    m = _SITE.match(ap)
+    m = _SITE.match(ap)  # first: a virtualenv may live under the root
     if m:
         return ap[m.end() :]
-    return ap
+    if ap.startswith(root.rstrip(os.sep) + os.sep):
+        return os.path.relpath(ap, root)
+    if ap.startswith(_STDLIB):
+        return "<stdlib>/" + os.path.relpath(ap, _STDLIB)
+    parts = ap.split(os.sep)
+    return "<external>/" + "/".join(p for p in parts[-2:] if p)
 
 
 def is_torch_file(path: str) -> bool:

@@ -128,11 +128,16 @@ def run_ranks(
     timeout: float = 300.0,
     on_progress: Callable[[dict[int, RankProgress]], None] | None = None,
     keep_logs: bool = False,
+    check_numerics: bool = False,
+    rtol: float | None = None,
+    atol: float | None = None,
 ) -> AuditReport:
     """Run ``target`` on ``nproc`` ranks and return the merged report (partial when something failed).
 
     Never raises for a failure of the target: the report's ``errors`` and rank
-    statuses say what happened.
+    statuses say what happened.  ``check_numerics``: each rank then runs the
+    target's ``make_step()`` compiled and eagerly and compares (``rtol``/``atol``,
+    see :mod:`.numerics`); the result is ``report.numerics``.
     """
     work = tempfile.mkdtemp(prefix="dynamo-ext-audit-")
     logs = os.path.join(work, "logs")
@@ -140,7 +145,10 @@ def run_ranks(
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
         "--max-restarts=0", "--monitor-interval=0.1", f"--log-dir={logs}", "--redirects=3",
         "-m", "dynamo_ext.audit.worker", "--out", work, "--target", target,
-        "--plugin" if plugin else "--no-plugin", "--", *target_args,
+        "--plugin" if plugin else "--no-plugin",
+        *(["--check-numerics"] if check_numerics else []),
+        *([f"--rtol={rtol}", f"--atol={atol}"] if rtol is not None and atol is not None else []),
+        "--", *target_args,
     ]  # fmt: skip
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")

@@ -5,12 +5,27 @@ A break's impact is ``occurrences x ranks affected + graphs split +
 2 x recompiles caused``: every occurrence splits a graph on its rank, and a
 recompile of the resume function that follows the break costs a full compile.
 A break, graph or recompile that some finished ranks have and others do not
-(or have a different number of times, or with different ops) is a hang risk:
-ranks whose graphs differ issue different collectives and can deadlock.
+(or have a different number of times, or with different ops) is *divergent*.
+That alone is no hang risk: the plugin's rooted collectives (broadcast, reduce,
+scatter, gather) and rank-dependent compute legitimately compile different
+graphs per rank.  A graph is a **hang risk** when the ordered sequence of
+collectives it issues (forward, then backward) differs between the finished
+ranks, a rank lacking the graph issuing none; a divergent break or recompile
+is a hang risk when a graph of its code is.  Ranks whose collective sequences
+differ wait on collectives their peers never issue.
+
+NOTE [graph identity]
+A graph is identified by its code object (``file:firstline function``, resume
+functions named after the function they resume) and why it was compiled: the
+first compile has no suffix, a recompile ``| recompile: <failed guard>``.  Not
+by compile order: an extra recompile on one rank leaves every other identity
+as it was.  Compiles with the same identity on a rank are one row, with their
+collective sequences concatenated in compile order.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import linecache
 import re
 from collections import defaultdict
@@ -19,7 +34,7 @@ from typing import Any
 import torch
 
 from .identity import break_id, fix_for
-from .records import AuditReport, Frame, Graph, GraphBreak, RankSummary, Recompile
+from .records import AuditReport, Frame, Graph, GraphBreak, Numerics, NumericsMismatch, RankSummary, Recompile
 
 _RESUME = re.compile(r"^torch_dynamo_resume_in_(.+)_at_(\d+)$")
 _CID_PREFIX = re.compile(r"^\s*!?[\d/]+:\s*", re.M)
@@ -99,7 +114,8 @@ def merge(
             reason=g["reason"],
             ranks=tuple(sorted(g["counts"])),
             count_by_rank=tuple(sorted(g["counts"].items())),
-            hang_risk=multi and _divergent(g["counts"], ref),
+            hang_risk=False,
+            divergent=multi and _divergent(g["counts"], ref),
         )
         for rid, g in rec_groups.items()
     )
@@ -163,35 +179,37 @@ def merge(
                 stack=frames,
                 snippet=_snippet(e.get("abs_file", user.file), user.line),
                 recompiles_caused=caused,
-                hang_risk=multi and _divergent(counts, ref),
+                hang_risk=False,
+                divergent=multi and _divergent(counts, ref),
                 impact=occurrences * len(counts) + occurrences + 2 * caused,
             )
         )
     breaks.sort(key=lambda b: (-b.impact, not b.distributed, b.id))
 
-    # ---- graphs --------------------------------------------------------------------
+    # ---- graphs (NOTE [graph identity]) -------------------------------------------------
     ggroups: dict[str, dict[str, Any]] = {}
     for rank, evs in sorted(events_by_rank.items()):
-        seen: dict[tuple[str, int, str], int] = defaultdict(int)
         for e in evs:
             if e["ev"] != "compile" or not e.get("has_graph"):
                 continue
-            key = (e["file"], int(e["line"]), e["function"])
-            n = seen[key]
-            seen[key] += 1
-            gid = f"{e['file']}:{e['line']} {e['function']} #{n}"
-            g = ggroups.setdefault(gid, {"e": e, "ops": {}, "colls": {}, "time": 0.0})
+            gid = graph_id(e)
+            g = ggroups.setdefault(gid, {"e": e, "ops": {}, "colls": {}, "seqs": defaultdict(list), "time": 0.0})
             g["ops"][rank] = int(e["op_count"])
-            g["colls"][rank] = (
-                tuple(sorted(e["collectives"].items())),
-                tuple(sorted(e["backward_collectives"].items())),
+            g["colls"].setdefault(
+                rank,
+                (tuple(sorted(e["collectives"].items())), tuple(sorted(e["backward_collectives"].items()))),
             )
+            g["seqs"][rank] += _sequence(e)
             g["time"] = max(g["time"], float(e.get("time_s") or 0.0))
     graphs = []
     for gid, g in ggroups.items():
         e = g["e"]
         colls = next(iter(g["colls"].values()))
-        differ = len(set(g["ops"].values())) > 1 or len(set(g["colls"].values())) > 1
+        seqs = {r: tuple(s) for r, s in g["seqs"].items()}
+        present = set(g["ops"])
+        divergent = multi and (len(set(g["ops"].values())) > 1 or not ref <= present)
+        # Ranks lacking the graph issue none of its collectives.
+        ref_seqs = {seqs.get(r, ()) for r in ref}
         graphs.append(
             Graph(
                 id=gid,
@@ -204,8 +222,23 @@ def merge(
                 collectives=colls[0],
                 backward_collectives=colls[1],
                 compile_time_s=round(g["time"], 4),
-                hang_risk=multi and (differ or _divergent(dict.fromkeys(g["ops"], 1), ref)),
+                hang_risk=multi and len(ref_seqs) > 1,
+                divergent=divergent,
+                collective_sequence_by_rank=tuple(sorted({**dict.fromkeys(ref, ()), **seqs}.items())),
             )
+        )
+    risky = {(g.file, g.function) for g in graphs if g.hang_risk}
+    if risky:
+        # A rank-divergent break or recompile in code whose graphs' collectives differ is where the risk comes from.
+        breaks = [
+            dataclasses.replace(b, hang_risk=True)
+            if b.divergent and any((f.file, f.function) in risky for f in b.stack)
+            else b
+            for b in breaks
+        ]
+        recompiles = tuple(
+            dataclasses.replace(r, hang_risk=True) if r.divergent and (r.file, r.function) in risky else r
+            for r in recompiles
         )
 
     # ---- ranks ------------------------------------------------------------------
@@ -229,10 +262,12 @@ def merge(
                 recompiles=sum(1 for e in evs if e["ev"] == "compile" and e.get("recompile_reason")),
                 compile_time_s=round(sum(float(e.get("time_s") or 0.0) for e in evs if e["ev"] == "compile"), 4),
                 dynamo_graph_breaks=counters.get("graph_break") if end else None,
+                dynamo_missed=int(counters.get("graph_break_missed", 0) or 0),
                 dynamo_unique_graphs=counters.get("unique_graphs") if end else None,
                 log=st.get("log", "") or "",
             )
         )
+    numerics = _numerics(events_by_rank)
     internal = tuple(
         f"rank {r}: {e['message']}" for r, evs in sorted(events_by_rank.items()) for e in evs if e["ev"] == "internal"
     )
@@ -247,7 +282,52 @@ def merge(
         recompiles=recompiles,
         ranks=tuple(ranks),
         errors=tuple(errors) + internal,
+        numerics=numerics,
     )
+
+
+def _numerics(events_by_rank: dict[int, list[dict[str, Any]]]) -> Numerics | None:
+    per_rank = {r: e for r, evs in events_by_rank.items() for e in evs if e["ev"] == "numerics"}
+    if not per_rank:
+        return None
+    mismatches = sorted(
+        (
+            NumericsMismatch(
+                rank=r,
+                index=int(m["index"]),
+                kind=m["kind"],
+                name=m["name"],
+                detail=m.get("detail", ""),
+                max_abs=m.get("max_abs"),
+                max_rel=m.get("max_rel"),
+            )
+            for r, e in per_rank.items()
+            for m in e["mismatches"]
+        ),
+        key=lambda m: (m.index, m.rank),
+    )
+    return Numerics(
+        compared=max(int(e["compared"]) for e in per_rank.values()),
+        ranks=tuple(sorted(per_rank)),
+        mismatches=tuple(mismatches),
+    )
+
+
+def graph_id(e: dict[str, Any]) -> str:
+    """The identity of a compiled graph: its code object and why it was compiled (see NOTE [graph identity])."""
+    base = f"{e['file']}:{e['line']} {e['function']}"
+    reason = _CID_PREFIX.sub("", str(e.get("recompile_reason") or "")).strip()
+    return f"{base} | recompile: {reason.splitlines()[0].split('  #')[0].strip()}" if reason else base
+
+
+def _sequence(e: dict[str, Any]) -> list[str]:
+    """The collectives a compile issues, in order: forward graph, then backward (``bwd:`` names)."""
+    fwd = e.get("collective_sequence")
+    bwd = e.get("backward_collective_sequence")
+    if fwd is None:  # events from before sequences were recorded: sorted counts
+        fwd = [n for n, k in sorted(e.get("collectives", {}).items()) for _ in range(k)]
+        bwd = [n for n, k in sorted(e.get("backward_collectives", {}).items()) for _ in range(k)]
+    return list(fwd) + [f"bwd:{n}" for n in bwd or ()]
 
 
 def _divergent(counts: dict[int, int], ref: set[int]) -> bool:

@@ -11,7 +11,9 @@ the fixture into a test module (``from dynamo_ext.audit.pytest_plugin import dyn
         dynamo_audit.run("examples/train.py", nproc=2, max_breaks=3, baseline="tests/audit_baseline.json")
 
 A call fails the test (with the report in the message) when a budget is
-exceeded, a break the baseline lacks appears, or, for ``run``, a rank fails;
+exceeded, a break the baseline lacks appears, a graph's collectives differ
+across ranks, the numerics check (``check_numerics=``) finds a tensor that
+differs between the compiled and the eager step, or, for ``run``, a rank fails;
 it returns the :class:`~dynamo_ext.audit.AuditReport` otherwise.
 """
 
@@ -31,7 +33,12 @@ class AuditGate:
     """The fixture's value: call it for an in-process audit, ``.run`` for a multi-rank one."""
 
     def _check(
-        self, report: AuditReport, max_breaks: int | None, max_recompiles: int | None, baseline: str | None
+        self,
+        report: AuditReport,
+        max_breaks: int | None,
+        max_recompiles: int | None,
+        baseline: str | None,
+        max_hang_risks: int | None = 0,
     ) -> AuditReport:
         problems = list(report.errors)
         problems += gate(
@@ -39,6 +46,7 @@ class AuditGate:
             max_breaks=max_breaks,
             max_recompiles=max_recompiles,
             baseline=load_report(baseline) if baseline else None,
+            max_hang_risks=max_hang_risks,
         )
         if problems:
             pytest.fail(
@@ -53,10 +61,18 @@ class AuditGate:
         max_breaks: int | None = 0,
         max_recompiles: int | None = None,
         baseline: str | None = None,
+        check_numerics: Any = None,
+        rtol: float | None = None,
+        atol: float | None = None,
         **compile_kwargs: Any,
     ) -> AuditReport:
-        """Audit ``torch.compile(fn, **compile_kwargs)(*args)`` in this process; fail the test past the budgets."""
-        return self._check(audit(fn, *args, **compile_kwargs), max_breaks, max_recompiles, baseline)
+        """Audit ``torch.compile(fn, **compile_kwargs)(*args)`` in this process; fail the test past the budgets.
+
+        ``check_numerics``: a ``make_step`` callable; a tensor that differs between
+        its compiled and eager step fails the test (see :func:`.api.audit`).
+        """
+        report = audit(fn, *args, check_numerics=check_numerics, rtol=rtol, atol=atol, **compile_kwargs)
+        return self._check(report, max_breaks, max_recompiles, baseline)
 
     def run(
         self,
@@ -70,12 +86,29 @@ class AuditGate:
         max_breaks: int | None = 0,
         max_recompiles: int | None = None,
         baseline: str | None = None,
+        max_hang_risks: int | None = 0,
+        check_numerics: bool = False,
+        rtol: float | None = None,
+        atol: float | None = None,
     ) -> AuditReport:
-        """``dynamo-ext audit`` on ``nproc`` ranks (script path or module:function), with the same gate."""
+        """``dynamo-ext audit`` on ``nproc`` ranks (script path or module:function), with the same gate.
+
+        ``check_numerics``: as ``--check-numerics`` (the target defines ``make_step()``).
+        """
         from .launch import run_ranks
 
-        report = run_ranks(target, list(args), nproc=nproc, backend=backend, plugin=plugin, timeout=timeout)
-        return self._check(report, max_breaks, max_recompiles, baseline)
+        report = run_ranks(
+            target,
+            list(args),
+            nproc=nproc,
+            backend=backend,
+            plugin=plugin,
+            timeout=timeout,
+            check_numerics=check_numerics,
+            rtol=rtol,
+            atol=atol,
+        )
+        return self._check(report, max_breaks, max_recompiles, baseline, max_hang_risks)
 
 
 @pytest.fixture

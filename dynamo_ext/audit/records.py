@@ -61,6 +61,7 @@ class GraphBreak:
     recompiles_caused: int
     hang_risk: bool
     impact: int
+    divergent: bool = False
 
     @property
     def count(self) -> int:
@@ -76,8 +77,12 @@ class GraphBreak:
 class Graph:
     """One compiled graph (a Dynamo frame compile that produced a graph), merged over ranks.
 
-    ``id`` is ``file:firstline function #n`` where ``n`` counts compiles of that
-    code object on a rank (0 first, then one per recompile).
+    ``id`` is ``file:firstline function`` for the first compile of that code
+    object and ``file:firstline function | recompile: <failed guard>`` for a
+    recompile; never the compile order.  ``divergent``: ranks have it a
+    different number of times or with different op counts.  ``hang_risk``: the
+    ordered collectives it issues differ between ranks
+    (``collective_sequence_by_rank``: forward names, then ``bwd:`` names).
     """
 
     id: str
@@ -91,6 +96,8 @@ class Graph:
     backward_collectives: tuple[tuple[str, int], ...]
     compile_time_s: float
     hang_risk: bool
+    divergent: bool = False
+    collective_sequence_by_rank: tuple[tuple[int, tuple[str, ...]], ...] = ()
 
     @property
     def op_count(self) -> int:
@@ -109,6 +116,7 @@ class Recompile:
     ranks: tuple[int, ...]
     count_by_rank: tuple[tuple[int, int], ...]
     hang_risk: bool
+    divergent: bool = False
 
     @property
     def count(self) -> int:
@@ -122,7 +130,10 @@ class RankSummary:
     ``status`` is ``"ok"``, ``"error"`` (the target raised), ``"died"`` (the
     process ended without saying why) or ``"timeout"``.  ``dynamo_graph_breaks``
     is ``sum(torch._dynamo.utils.counters["graph_break"].values())`` read on the
-    rank at the end (``None`` when the rank never got there).
+    rank at the end (``None`` when the rank never got there); ``dynamo_missed``
+    the breaks of ``graph_breaks`` that counter did not count (torch 2.13 does not
+    count data-dependent branches), so ``graph_breaks == dynamo_graph_breaks +
+    dynamo_missed`` when the audit and Dynamo agree.
     """
 
     rank: int
@@ -136,6 +147,58 @@ class RankSummary:
     dynamo_graph_breaks: int | None
     dynamo_unique_graphs: int | None
     log: str
+    dynamo_missed: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class NumericsMismatch:
+    """One tensor that differs between the compiled and the eager step on one rank.
+
+    ``kind``: ``"output"`` (a path into what ``step`` returned: ``"loss"``,
+    ``"out[0]"``), ``"grad"`` (a parameter's gradient after ``backward``) or
+    ``"param"`` (a parameter after the optimizer step), by parameter name;
+    local shards for DTensors.  ``max_abs``/``max_rel``: the largest absolute
+    and relative (to eager) error, ``None`` when not comparable (``detail``
+    says why: type, placements, shape, dtype, missing).  ``index``: position
+    in the comparison order (outputs, gradients, parameters).
+    """
+
+    rank: int
+    index: int
+    kind: str
+    name: str
+    detail: str
+    max_abs: float | None
+    max_rel: float | None
+
+    def __str__(self) -> str:
+        err = (
+            f"max abs error {self.max_abs:.3g}, max rel error {self.max_rel:.3g}"
+            if self.max_abs is not None and self.max_rel is not None
+            else self.detail
+        )
+        what = {"output": "output", "grad": "gradient of", "param": "parameter after the step"}.get(
+            self.kind, self.kind
+        )
+        return f"{what} {self.name} on rank {self.rank}: {err}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Numerics:
+    """The numerics check (``--check-numerics``): compiled step vs eager step, from the same state, per rank.
+
+    ``compared``: tensors compared per rank (outputs + gradients + parameters);
+    ``ranks``: the ranks that finished the check; ``mismatches`` sorted by
+    comparison order, then rank: ``mismatches[0]`` is the first tensor that differs.
+    """
+
+    compared: int
+    ranks: tuple[int, ...]
+    mismatches: tuple[NumericsMismatch, ...]
+
+    @property
+    def first(self) -> NumericsMismatch | None:
+        return self.mismatches[0] if self.mismatches else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,7 +207,8 @@ class AuditReport:
 
     ``plugin`` says whether dynamo-ext was installed on the ranks
     (``{"installed": bool, "version": str, "error": str}``).  ``stock`` is the
-    run without the plugin when ``--compare-stock`` was given.
+    run without the plugin when ``--compare-stock`` was given.  ``numerics`` is
+    the numerics check (``None`` when it did not run).
     """
 
     target: str
@@ -158,6 +222,7 @@ class AuditReport:
     ranks: tuple[RankSummary, ...]
     errors: tuple[str, ...] = ()
     stock: AuditReport | None = None
+    numerics: Numerics | None = None
 
     # ---- totals (what the CI gate compares) ------------------------------------
     @property
@@ -172,21 +237,13 @@ class AuditReport:
 
     @property
     def hang_risks(self) -> tuple[str, ...]:
-        """One line per rank-divergent break, graph or recompile."""
-        out = [
-            f"graph break {b.id} on ranks {list(b.ranks)} {_counts(b.count_by_rank)}"
-            for b in self.graph_breaks
-            if b.hang_risk
-        ]
-        out += [
-            f"graph {g.id} on ranks {list(g.ranks)} ops {_counts(g.op_count_by_rank)}"
+        """One line per graph whose collective sequence differs between ranks (what ``--max-hang-risks`` counts)."""
+        return tuple(
+            f"graph {g.id}: collectives differ across ranks: "
+            + "; ".join(f"rank {r}: [{', '.join(seq)}]" for r, seq in _distinct_seqs(g))
             for g in self.graphs
             if g.hang_risk
-        ]
-        out += [
-            f"recompile of {r.function} ({r.reason}) on ranks {list(r.ranks)}" for r in self.recompiles if r.hang_risk
-        ]
-        return tuple(out)
+        )
 
     @property
     def ok(self) -> bool:
@@ -203,8 +260,12 @@ class AuditReport:
         return render_text(self)
 
 
-def _counts(pairs: tuple[tuple[int, int], ...]) -> str:
-    return "{" + ", ".join(f"rank {r}: {n}" for r, n in pairs) + "}"
+def _distinct_seqs(g: Graph) -> list[tuple[str, tuple[str, ...]]]:
+    """Ranks grouped by collective sequence (ranks lacking the graph show as ``[]`` when others have it)."""
+    by_seq: dict[tuple[str, ...], list[int]] = {}
+    for r, seq in g.collective_sequence_by_rank:
+        by_seq.setdefault(tuple(seq), []).append(r)
+    return [(",".join(map(str, rs)), seq) for seq, rs in by_seq.items()]
 
 
 def _to_plain(report: AuditReport) -> dict[str, Any]:
@@ -230,6 +291,7 @@ def _to_plain(report: AuditReport) -> dict[str, Any]:
         "recompiles": report.total_recompiles,
         "graphs": max((r.graphs for r in report.ranks), default=0),
         "hang_risks": list(report.hang_risks),
+        "numerics_mismatches": None if report.numerics is None else len(report.numerics.mismatches),
     }
     return out
 
@@ -277,6 +339,9 @@ def report_from_json(data: dict[str, Any]) -> AuditReport:
                 "op_count_by_rank": _pairs(g["op_count_by_rank"]),
                 "collectives": tuple((a, int(b)) for a, b in g["collectives"]),
                 "backward_collectives": tuple((a, int(b)) for a, b in g["backward_collectives"]),
+                "collective_sequence_by_rank": tuple(
+                    (int(r), tuple(seq)) for r, seq in g.get("collective_sequence_by_rank", ())
+                ),
             }
         )
         for g in data.get("graphs", [])
@@ -293,6 +358,16 @@ def report_from_json(data: dict[str, Any]) -> AuditReport:
     )
     ranks = tuple(RankSummary(**r) for r in data.get("ranks", []))
     stock = data.get("stock")
+    num = data.get("numerics")
+    numerics = (
+        None
+        if num is None
+        else Numerics(
+            compared=int(num["compared"]),
+            ranks=tuple(num["ranks"]),
+            mismatches=tuple(NumericsMismatch(**m) for m in num["mismatches"]),
+        )
+    )
     return AuditReport(
         target=data.get("target", ""),
         world_size=data.get("world_size", len(ranks)),
@@ -305,6 +380,7 @@ def report_from_json(data: dict[str, Any]) -> AuditReport:
         ranks=ranks,
         errors=tuple(data.get("errors", [])),
         stock=None if stock is None else report_from_json(stock),
+        numerics=numerics,
     )
 
 

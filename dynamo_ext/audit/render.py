@@ -6,7 +6,6 @@ import io
 
 from rich import box
 from rich.console import Console, Group
-from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
@@ -80,7 +79,9 @@ def _breaks(report: AuditReport) -> Table | Text:
         if b.distributed:
             what.append("  [distributed]", style="magenta")
         if b.hang_risk:
-            what.append("  [HANG RISK: ranks diverge]", style="bold red")
+            what.append("  [HANG RISK: collectives differ across ranks]", style="bold red")
+        elif b.divergent:
+            what.append("  [ranks differ; collectives agree]", style="yellow")
         fix = b.fix or (b.hints[0] if b.hints else "")
         if fix:
             what.append(f"\nfix: {fix}")
@@ -134,7 +135,11 @@ def _ranks_table(report: AuditReport) -> Table:
         check = (
             _NONE
             if r.dynamo_graph_breaks is None
-            else ("ok" if r.dynamo_graph_breaks == r.graph_breaks else f"MISMATCH ({r.dynamo_graph_breaks})")
+            else (
+                ("ok" if not r.dynamo_missed else f"ok (Dynamo missed {r.dynamo_missed})")
+                if r.dynamo_graph_breaks + r.dynamo_missed == r.graph_breaks
+                else f"MISMATCH ({r.dynamo_graph_breaks})"
+            )
         )
         status = Text(r.status, style="green" if r.status == "ok" else "bold red")
         t.add_row(
@@ -166,10 +171,32 @@ def renderables(report: AuditReport) -> Group:
         if extra is not None:
             parts.append(extra)
     parts.append(_ranks_table(report))
+    num = report.numerics
+    if num is not None:
+        head = (
+            f"Numerics (compiled step vs eager, same state): {num.compared} tensors per rank, ranks {list(num.ranks)}: "
+        )
+        if num.mismatches:
+            lines = [f"  {m}" for m in num.mismatches[:20]]
+            more = len(num.mismatches) - len(lines)
+            parts.append(
+                Text(
+                    head
+                    + f"{len(num.mismatches)} MISMATCH(ES); first: {num.first}\n"
+                    + "\n".join(lines)
+                    + (f"\n  ... {more} more" if more > 0 else ""),
+                    style="bold red",
+                )
+            )
+        else:
+            parts.append(Text(head + "0 mismatches", style="green"))
     risks = report.hang_risks
     if risks:
         parts.append(
-            Text("HANG RISK - ranks diverge:\n" + "\n".join(f"  {escape(x)}" for x in risks), style="bold red")
+            Text(
+                "HANG RISK - collective sequences differ across ranks:\n" + "\n".join(f"  {x}" for x in risks),
+                style="bold red",
+            )
         )
     for rep, label in ((report.stock, "stock run"), (report, "")):
         if rep is not None and rep.errors:

@@ -21,6 +21,7 @@ def main():
     mode = sys.argv[1]
     dist.init_process_group("gloo")
     torch.compile(step, backend="eager")(torch.ones(4))
+    dist.barrier()  # both ranks have logged the break before rank 1 misbehaves
     if dist.get_rank() == 1:
         if mode == "raise":
             raise ValueError("rank 1 refuses")  # RAISE_LINE
