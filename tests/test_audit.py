@@ -474,11 +474,16 @@ class TestApi(TestCase):
 _KINDS = Path(__file__).resolve().parent / "audit_targets" / "break_kinds.py"
 
 
-def _break_kinds():
-    spec = importlib.util.spec_from_file_location("audit_break_kinds", _KINDS)
+def _load(path, name):
+    """A target file under tests/audit_targets imported as module ``name``."""
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def _break_kinds():
+    return _load(_KINDS, "audit_break_kinds")
 
 
 def _marker_line(marker):
@@ -530,10 +535,7 @@ _WRONG = Path(__file__).resolve().parent / "audit_targets" / "numerics_wrong.py"
 
 
 def _numerics_wrong():
-    spec = importlib.util.spec_from_file_location("audit_numerics_wrong", _WRONG)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return _load(_WRONG, "audit_numerics_wrong")
 
 
 def _linear_step(scale_loss_under_compile):
