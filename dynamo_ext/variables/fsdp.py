@@ -1,23 +1,28 @@
-"""FSDP2 (``fully_shard``) forward hooks traced into the graph.
+"""FSDP2 (``fully_shard``) hooks traced into the graph, forward and backward.
 
 FSDP2 marks its module hooks ``torch._dynamo.disable`` (``_dynamo_disable`` in
 torch/distributed/fsdp/_fully_shard/_fsdp_common.py), so stock Dynamo breaks
 the graph at every FSDP module.  We trace, in their place, what the hooks do
-to the numbers of a forward pass:
+to the numbers of a training step:
 
-- pre-forward: each parameter's local shard is all-gathered over the shard
-  mesh axis (a functional collective, with autograd: its backward is a
-  reduce-scatter), the padding FSDP adds to dim 0 is cut off, and the
+- pre-forward: each parameter's local shard is padded to FSDP's padded shard
+  size and all-gathered over the shard mesh axis by an ``autograd.Function``
+  whose backward is FSDP2's gradient reduction (NOTE [FSDP2 gradients in
+  traced graphs], ``fsdp_reduce.py``), the padding is cut off, and the
   unsharded tensor (for FSDP over TP, a DTensor on the TP mesh) is set on the
-  module as the parameter, as ``FSDPParam.to_unsharded`` does;
+  module as the parameter, as ``FSDPParam.to_unsharded`` does; with
+  ``reshard_after_forward`` the gather is recomputed in backward (NOTE [FSDP2
+  memory: re-gather in backward]);
 - post-forward: the sharded parameter is set back, as ``FSDPParam.to_sharded``
-  does.
+  does.  FSDP2's eager backward hooks are not registered: the gradient flows
+  through the gather's backward into the sharded parameter's ``.grad``.
 
 Lazy initialisation (choosing the root, building param groups) runs once at
 trace time on the real FSDP state, as the root's first eager pre-forward would.
 Streams, prefetching and memory reuse are eager-only concerns: inside a graph
-the scheduler and Inductor order the collectives.  Backward hooks (gradient
-reduce-scatter through FSDP's own post-backward) are not traced here.
+the scheduler and Inductor order the collectives.  Settings whose eager
+reduction differs (:func:`untraced_reasons`) break the graph so FSDP2's own
+hooks run; the settings are guarded (:data:`CONFIG_GUARD`).
 """
 
 from __future__ import annotations
@@ -48,7 +53,10 @@ def _gather_handler(tx: Any, args: list[Any], kwargs: dict[str, Any]) -> Any:
     param_group, fsdp_param = (getattr(a, "value", None) for a in args[:2])
     if fsdp_param is None or param_group is None:
         graph_breaks.graph_break(graph_breaks.FSDP_UNTRACED, "FSDPParam not known at trace time")
-    reduction = fsdp_reduce.plan(fsdp_param, param_group)
+    try:
+        reduction = fsdp_reduce.plan(fsdp_param, param_group)
+    except (NotImplementedError, ValueError) as e:  # a release or reduce op we do not mirror
+        graph_breaks.graph_break(graph_breaks.FSDP_UNTRACED, f"FSDP2 gradient reduction: {e}")
     log.debug("FSDP2 %s: gradient reduction %s", fsdp_param._module_info.param_name, reduction)
     const = [wrap_constant(tx, getattr(reduction, f.name)) for f in dataclasses.fields(reduction)]
     # NOTE [FSDP2 memory: re-gather in backward]: with reshard_after_forward (True or an
