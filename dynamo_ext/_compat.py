@@ -270,6 +270,12 @@ def fsdp_gradient_divide_factors(group: Any, reduce_dtype: Any, factor: Any, for
     return pre, post, rs_op
 
 
+def fsdp_single_param_group() -> bool:
+    """Whether FSDP2's state holds one optional param group (2.11's ``_fsdp_param_group``), not a list."""
+    state_cls = optional_attr(f"{_FSDP}._fsdp_state", "FSDPState")
+    return state_cls is not None and "_fsdp_param_groups" not in state_cls.__init__.__code__.co_names
+
+
 def fsdp_mesh_info_kinds() -> tuple[Any, Any]:
     """(``FSDPMeshInfo``, ``DDPMeshInfo``) classes, ``None`` where absent (HSDP meshes are both)."""
     common = f"{_FSDP}._fsdp_common"

@@ -37,14 +37,21 @@ def test_plan_mirrors_fsdp2_divide_factors(world, kwargs, group, expected):
     assert (r.param_dtype, r.reduce_dtype) == (kwargs.get("param_dtype"), kwargs.get("reduce_dtype"))
 
 
-def test_backward_casts_divides_and_returns_the_original_dtype(world):
-    """On the fake group a reduce-scatter returns its input's first chunk: the arithmetic around it shows."""
-    r = fsdp_reduce.GradReduction(dist.group.WORLD.group_name, 4, torch.bfloat16, torch.float32, "sum", 0.5, 2.0, 4.0)
-    local = torch.randn(2, 3, requires_grad=True)
-    full = fsdp_reduce.gather(local, r)
-    assert full.shape == (8, 3) and full.dtype == torch.bfloat16
-    grad = torch.arange(24.0).reshape(8, 3).to(torch.bfloat16)
-    full.backward(grad)
-    assert local.grad.dtype == torch.float32
-    expected = grad.float()[:2] * 0.5 / 2.0 / 4.0  # premul, pre-divide, (fake) reduce-scatter, post-divide
-    torch.testing.assert_close(local.grad, expected)
+def test_backward_casts_divides_and_returns_the_original_dtype():
+    """On a real 1-rank gloo group the reduce-scatter returns its input: the arithmetic around it shows."""
+    from torch.distributed import HashStore
+
+    dist.init_process_group("gloo", store=HashStore(), rank=0, world_size=1)
+    try:
+        name = dist.group.WORLD.group_name
+        r = fsdp_reduce.GradReduction(name, 1, torch.bfloat16, torch.float32, "sum", 0.5, 2.0, 4.0)
+        local = torch.randn(2, 3, requires_grad=True)
+        full = fsdp_reduce.gather(local, r)
+        assert full.shape == (2, 3) and full.dtype == torch.bfloat16
+        torch.testing.assert_close(full, local.detach().to(torch.bfloat16))
+        grad = torch.arange(6.0).reshape(2, 3).to(torch.bfloat16)
+        full.backward(grad)
+        assert local.grad.dtype == torch.float32
+        torch.testing.assert_close(local.grad, grad.float() * 0.5 / 2.0 / 4.0)  # premul, pre-, post-divide
+    finally:
+        dist.destroy_process_group()
