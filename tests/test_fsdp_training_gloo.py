@@ -84,6 +84,13 @@ def _compare(rank: int, world: int, configs: dict[str, dict[str, Any]], compiled
     for name, cfg in configs.items():
         if _release_breaks(name):
             cfg = {**cfg, "fullgraph": False}
+            if compiled_autograd:  # FSDP2's eager hooks then meet compiled autograd: refused, not wrong
+                try:
+                    _train_compiled(rank, world, cfg, compiled_autograd)
+                    out[name] = {"refused": None}
+                except RuntimeError as e:
+                    out[name] = {"refused": str(e)}
+                continue
         net = build(world, **cfg)
         eager = train(net, net, rank, **cfg)
         run = _train_compiled(rank, world, cfg, compiled_autograd)
@@ -92,7 +99,15 @@ def _compare(rank: int, world: int, configs: dict[str, dict[str, Any]], compiled
 
 
 @pytest.mark.parametrize("compiled_autograd", [False, True], ids=["eager_backward", "compiled_autograd"])
-def test_fsdp2_training_matches_eager(compiled_autograd):
+def test_fsdp2_training_matches_eager(compiled_autograd, request):
+    import dynamo_ext._compat as compat
+
+    if compiled_autograd and compat.fsdp_single_param_group():
+        # Known gap (README support matrix): on torch 2.11 compiled autograd gives the sharded
+        # parameters a Replicate DTensor .grad (full size); values after the step are eager's.
+        request.node.add_marker(
+            pytest.mark.xfail(strict=True, reason="torch 2.11: Replicate .grad under compiled autograd")
+        )
     configs = {k: v for k, v in TRACED.items() if not compiled_autograd or k in UNDER_COMPILED_AUTOGRAD}
     results = run_on_ranks(_compare, configs, compiled_autograd, nproc=4)
     import dynamo_ext._compat as compat
@@ -100,7 +115,11 @@ def test_fsdp2_training_matches_eager(compiled_autograd):
     for rank, per_config in enumerate(results):
         for name, r in per_config.items():
             if name == "fsdp_over_tp" and compat.fsdp_single_param_group():
-                # torch 2.11: a named graph break, and FSDP2's eager hooks: eager's numbers (eager backward only)
+                # torch 2.11: a named graph break and FSDP2's eager hooks: eager's numbers, or under
+                # compiled autograd the refusal of fsdp_eager.py
+                if compiled_autograd:
+                    assert "ran under compiled autograd" in (r["refused"] or ""), (rank, r)
+                    continue
                 assert r["breaks"] > 0 and r["grads"] <= FP32_TOL and r["params"] <= FP32_TOL, (rank, r)
                 continue
             tol = BF16_TOL if "mp" in TRACED[name] else FP32_TOL
