@@ -276,10 +276,9 @@ def fsdp_single_param_group() -> bool:
     return state_cls is not None and "_fsdp_param_groups" not in state_cls.__init__.__code__.co_names
 
 
-def fsdp_mesh_info_kinds() -> tuple[Any, Any]:
-    """(``FSDPMeshInfo``, ``DDPMeshInfo``) classes, ``None`` where absent (HSDP meshes are both)."""
-    common = f"{_FSDP}._fsdp_common"
-    return optional_attr(common, "FSDPMeshInfo"), optional_attr(common, "DDPMeshInfo")
+def fsdp_ddp_mesh_info() -> Any:
+    """FSDP2's ``DDPMeshInfo`` class (an HSDP mesh's info is one), ``None`` where absent."""
+    return optional_attr(f"{_FSDP}._fsdp_common", "DDPMeshInfo")
 
 
 # ---- module backward hooks (variables/backward_hooks.py) ----------------------

@@ -176,7 +176,7 @@ def untraced_reasons(state: Any) -> list[str]:
     collectives, CPU offload, zero gradients for unused parameters, and while
     an unsharded gradient accumulated without sync waits to be reduced.
     """
-    _, ddp_mesh_info = _compat.fsdp_mesh_info_kinds()
+    ddp_mesh_info = _compat.fsdp_ddp_mesh_info()
     reasons = []
     for group in param_groups(state):
         checks = {
