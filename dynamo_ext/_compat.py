@@ -276,6 +276,7 @@ def fsdp_single_param_group() -> bool:
     return state_cls is not None and "_fsdp_param_groups" not in state_cls.__init__.__code__.co_names
 
 
+@functools.cache
 def fsdp_ddp_mesh_info() -> Any:
     """FSDP2's ``DDPMeshInfo`` class (an HSDP mesh's info is one), ``None`` where absent."""
     return optional_attr(f"{_FSDP}._fsdp_common", "DDPMeshInfo")

@@ -217,7 +217,8 @@ def config_record(state: Any) -> tuple[Any, ...]:
                 tuple((p.param_dtype, p.reduce_dtype) for p in group.fsdp_params),
             )
         )
-    return (tuple(untraced_reasons(state)), repr(policy), tuple(groups))
+    # The policy is a frozen dataclass: compared by value.  Runs on every call (guard): keep it cheap.
+    return (tuple(untraced_reasons(state)), policy, tuple(groups))
 
 
 CONFIG_FIELDS = ("untraced configuration", "mixed precision policy", "param groups")
@@ -264,7 +265,7 @@ def _check_state(tx: Any, args: list[Any], kwargs: dict[str, Any]) -> None:
             spmd = getattr(p.mesh_info, "is_spmd_mesh", False)
             # torch 2.11 (one optional param group per state): FSDP over TP
             # fails in Dynamo's guards on TP's hook closures; break cleanly there.
-            old_tp = p.is_dtensor and not hasattr(state, "_fsdp_param_groups")
+            old_tp = p.is_dtensor and _compat.fsdp_single_param_group()
             if p.fsdp_placement.dim != 0 or spmd or old_tp:
                 graph_breaks.graph_break(
                     graph_breaks.FSDP_LAYOUT,
