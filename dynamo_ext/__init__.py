@@ -7,6 +7,7 @@ Importing the package changes nothing in torch; see :func:`install`.
 """
 
 from ._install import enabled, install, is_installed, uninstall
+from .errors import CollectiveMismatchError
 
-__all__ = ["enabled", "install", "is_installed", "uninstall"]
+__all__ = ["CollectiveMismatchError", "enabled", "install", "is_installed", "uninstall"]
 __version__ = "0.1.0"

@@ -322,3 +322,120 @@ def torch_dispatch_mode_base() -> type:
     from torch.utils._python_dispatch import TorchDispatchMode
 
     return TorchDispatchMode
+
+
+# ---- collective check (collective_check/) -------------------------------------
+def op_schema(target: Any) -> Any:
+    """The ``FunctionSchema`` of an ``OpOverload`` graph target (``target._schema``), ``None`` for anything else."""
+    if not isinstance(target, torch._ops.OpOverload):
+        return None
+    return target._schema
+
+
+def distributed_initialized() -> bool:
+    """Whether ``torch.distributed`` is available and its default group initialized."""
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
+
+
+def global_rank() -> int | None:
+    """This process's rank in the default group, ``None`` when there is none."""
+    import torch.distributed as dist
+
+    return dist.get_rank() if distributed_initialized() else None
+
+
+def _resolve_group(name: str) -> Any:
+    """The live ``ProcessGroup`` named ``name`` (``distributed_c10d._resolve_process_group``), or ``None``."""
+    if not name or not distributed_initialized():
+        return None
+    from torch.distributed import distributed_c10d
+
+    try:
+        return distributed_c10d._resolve_process_group(name)
+    except (RuntimeError, ValueError, KeyError):
+        return None
+
+
+def group_ranks(name: str) -> tuple[int, ...]:
+    """Sorted global ranks of the group named ``name``; ``()`` when no live group has that name."""
+    import torch.distributed as dist
+
+    group = _resolve_group(name)
+    if group is None:
+        return ()
+    try:
+        return tuple(sorted(dist.get_process_group_ranks(group)))
+    except (RuntimeError, ValueError):
+        return ()
+
+
+def group_is_fake(name: str) -> bool:
+    """Whether the group named ``name`` runs on the single-process ``fake`` backend (no peer to meet)."""
+    group = _resolve_group(name)
+    if group is None:
+        return False
+    try:
+        return group._get_backend_name() == "fake"
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def default_store() -> Any:
+    """The default group's c10d store (``distributed_c10d._get_default_store()``), ``None`` without one."""
+    if not distributed_initialized():
+        return None
+    from torch.distributed import distributed_c10d
+
+    try:
+        return distributed_c10d._get_default_store()
+    except (RuntimeError, ValueError):
+        return None
+
+
+def prefix_store(prefix: str, store: Any) -> Any:
+    """``torch.distributed.PrefixStore(prefix, store)`` (public)."""
+    import torch.distributed as dist
+
+    return dist.PrefixStore(prefix, store)
+
+
+def aot_backend_module() -> Any:
+    """``torch._dynamo.backends.common``: AOTAutograd backends call ``aot_module_simplified`` through its globals."""
+    return importlib.import_module("torch._dynamo.backends.common")
+
+
+def default_partition() -> Any:
+    """AOTAutograd's default ``partition_fn`` (``torch._functorch.partitioners.default_partition``)."""
+    return importlib.import_module("torch._functorch.partitioners").default_partition
+
+
+def serializable_compiler(compiler: Any, compiler_fn: Any) -> Any:
+    """A copy of ``compiler`` (``SerializableAOTDispatchCompiler`` and the like) calling ``compiler_fn``."""
+    import copy
+
+    new = copy.copy(compiler)
+    new.compiler_fn = compiler_fn
+    return new
+
+
+def aot_autograd_cache_off() -> Any:
+    """Context manager: ``torch._functorch.config.enable_autograd_cache`` off (Inductor's FX cache stays on)."""
+    return importlib.import_module("torch._functorch.config").patch(enable_autograd_cache=False)
+
+
+def is_traceable_subclass(value: Any) -> bool:
+    """Whether ``value`` is a traceable tensor subclass (DTensor, ...): ``torch._subclasses.fake_tensor``-free probe."""
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    return isinstance(value, torch.Tensor) and is_traceable_wrapper_subclass(value)
+
+
+def config_module() -> tuple[Any, Any]:
+    """``(install_config_module, Config)`` from ``torch.utils._config_module`` (what torch's own configs use)."""
+    mod = importlib.import_module("torch.utils._config_module")
+    return mod.install_config_module, mod.Config
+
+
+# ---- end of collective check ----------------------------------------------------

@@ -40,12 +40,13 @@ def install() -> None:
 
         if not dist.is_available():
             raise ImportError("dynamo-ext needs a torch build with torch.distributed (dist.is_available() is False)")
-        from . import guards, inductor_lowerings, variables
+        from . import collective_check, guards, inductor_lowerings, variables
 
         try:
             variables.install(PATCHES)
             guards.install(PATCHES)
             inductor_lowerings.install(PATCHES)
+            collective_check.install(PATCHES)  # NOTE [collective check hook]
         except BaseException:
             PATCHES.undo_all()
             raise

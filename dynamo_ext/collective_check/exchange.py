@@ -1,0 +1,256 @@
+"""Compare a graph's collective fingerprint across ranks through the c10d store, with a bounded wait.
+
+NOTE [collective check meeting point]
+Ranks meet in the default group's store (set/check/get only: no collective,
+so the check cannot itself hang on a rank that never comes), under a key that
+needs no agreement on compile order:
+
+* the *scope* of a graph is the sorted set of global ranks of every group its
+  collectives use (every rank of a 2-D mesh for a TP + FSDP graph; the two
+  ranks of one pipeline stage for a stage's graph);
+* a rank numbers the fingerprints it has not seen agreed before, per scope:
+  the n-th new fingerprint first run in scope U meets under ``U/n``.  A graph
+  compiled again on one rank only (a recompile, a cache miss) with the same
+  collectives was agreed already and meets no one, so ranks do not drift apart.
+
+Each rank writes its fingerprint under ``e/U/n/<rank>`` and reads every other
+rank's of U, then compares (:func:`.fingerprint.first_difference`).  While it
+waits it also watches for two things that would otherwise cost the whole wait:
+
+* a peer that aborted this meeting (``a/U/n``: it found a mismatch, or timed
+  out): this rank raises too, with the peer's message;
+* a peer waiting in another meeting that this rank has not joined, whose scope
+  holds this rank (``w/<rank>``): the two wait on each other, so they run
+  different collectives (another group, another order).
+
+Only when a peer never comes (it runs no compiled graph with collectives
+there) does the wait last ``config.collective_check_timeout_s``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from .. import _compat, config
+from ..errors import CollectiveMismatchError
+from .fingerprint import Collective, first_difference
+
+log = logging.getLogger(__name__)
+
+_PREFIX = "dynamo_ext/collective_check/"
+
+
+class _State:
+    """What this process has agreed with its peers, for one default store."""
+
+    def __init__(self, store: Any, epoch: int = 0) -> None:
+        self.store = store
+        self.epoch = epoch
+        self.next_index: dict[str, int] = {}
+        self.agreed: set[tuple[str, str]] = set()
+        self.joined: set[str] = set()
+
+
+_state: _State | None = None
+
+
+def _current_state(store: Any) -> _State:
+    global _state
+    if _state is None or _state.store is not store:
+        _state = _State(store)
+    return _state
+
+
+def reset() -> None:
+    """Forget what was agreed and start numbering meetings afresh, in a new key space.
+
+    A rank that goes on after a :class:`CollectiveMismatchError` (a test, a
+    retry) calls this on every rank of the world before its next compiled
+    graph, as it would call ``torch._dynamo.reset()``: the ranks that failed
+    may have stopped at different meetings.
+    """
+    global _state
+    if _state is not None:
+        _state = _State(_state.store, _state.epoch + 1)
+
+
+def _scope(records: Sequence[Collective]) -> tuple[int, ...]:
+    ranks: set[int] = set()
+    for c in records:
+        ranks.update(c.ranks)
+    return tuple(sorted(ranks))
+
+
+def _digest(text: str) -> str:
+    return hashlib.sha1(text.encode()).hexdigest()[:16]
+
+
+def check_collectives(records: Sequence[Collective]) -> None:
+    """Agree ``records`` (one compiled graph's forward and backward collectives) with the other ranks.
+
+    Returns at once when there is nothing to agree (no collectives, no
+    initialized default group, one rank, a fake group, the check switched off
+    in :mod:`dynamo_ext.config`, or a fingerprint agreed before).
+
+    Raises:
+        CollectiveMismatchError: another rank of the scope runs different
+            collectives here, aborted this meeting, or did not come within
+            ``config.collective_check_timeout_s`` seconds.
+    """
+    if not records or not config.collective_check:
+        return
+    rank = _compat.global_rank()
+    scope = _scope(records)
+    if rank is None or len(scope) < 2 or rank not in scope:
+        return
+    if any(_compat.group_is_fake(c.group) for c in records):
+        return
+    store = _compat.default_store()
+    if store is None:
+        return
+    state = _current_state(store)
+    scope_key = _digest(",".join(map(str, scope)))
+    payload = json.dumps([c.to_json() for c in records])
+    own = _digest(json.dumps([c.to_json()[:-1] for c in records]))  # without source lines
+    if (scope_key, own) in state.agreed:
+        return
+    index = state.next_index.get(scope_key, 0)
+    state.next_index[scope_key] = index + 1
+    meeting = f"{state.epoch}/{scope_key}/{index}"
+    _Meeting(state, meeting, scope, rank, list(records), payload).run()
+    state.agreed.add((scope_key, own))
+
+
+class _Meeting:
+    def __init__(
+        self, state: _State, meeting: str, scope: tuple[int, ...], rank: int, records: list[Collective], payload: str
+    ) -> None:
+        self.state, self.meeting, self.scope, self.rank = state, meeting, scope, rank
+        self.records, self.payload = records, payload
+        self.store = _compat.prefix_store(_PREFIX, state.store)
+
+    def run(self) -> None:
+        store, rank = self.store, self.rank
+        store.set(f"e/{self.meeting}/{rank}", self.payload)
+        self.state.joined.add(self.meeting)
+        store.set(f"w/{rank}", json.dumps([self.meeting, list(self.scope)]))
+        start = time.monotonic()
+        self.peer_meetings: set[str] = set()
+        try:
+            self._wait(start)
+        except CollectiveMismatchError as e:
+            # Stop this meeting and those of the peers found waiting elsewhere: their fellows end too.
+            for meeting in {self.meeting, *self.peer_meetings}:
+                store.set(f"a/{meeting}", f"rank {rank}: {e}")
+            raise
+        finally:
+            store.set(f"w/{rank}", "")
+        log.debug(
+            "collective check %s: %d ranks agree after %.3f s", self.meeting, len(self.scope), time.monotonic() - start
+        )
+
+    def _wait(self, start: float) -> None:
+        store = self.store
+        pending = [p for p in self.scope if p != self.rank]
+        differences: list[str] = []
+        sleep = 0.0005
+        while pending:
+            for peer in list(pending):
+                key = f"e/{self.meeting}/{peer}"
+                if store.check([key]):
+                    pending.remove(peer)
+                    theirs = [Collective.from_json(r) for r in json.loads(store.get(key))]
+                    diff = self._compare(peer, theirs)
+                    if diff:
+                        differences.append(diff)
+            if differences:
+                raise CollectiveMismatchError(self._message(differences))
+            if not pending:
+                return
+            if store.check([f"a/{self.meeting}"]):
+                raise CollectiveMismatchError(
+                    f"{self._head()} another rank stopped it: {store.get(f'a/{self.meeting}').decode()}"
+                )
+            for peer in pending:
+                elsewhere = self._waiting_elsewhere(peer)
+                if elsewhere is not None:
+                    differences.append(elsewhere)
+            if differences:
+                raise CollectiveMismatchError(self._message(differences))
+            if time.monotonic() - start > config.collective_check_timeout_s:
+                raise CollectiveMismatchError(
+                    f"{self._head()} rank(s) {', '.join(map(str, pending))} did not reach a compiled graph with "
+                    f"these collectives within {config.collective_check_timeout_s:g} s (dynamo_ext.config."
+                    f"collective_check_timeout_s); they run other code here (eager collectives, a graph without "
+                    f"collectives, another branch), or compile for longer than that. This rank's collectives:\n"
+                    + "\n".join(
+                        f"  #{i}: {c.describe()} at {c.source or '<unknown source>'}"
+                        for i, c in enumerate(self.records)
+                    )
+                )
+            time.sleep(sleep)
+            sleep = min(sleep * 2, 0.02)
+
+    def _waiting_elsewhere(self, peer: int) -> str | None:
+        """A difference when ``peer`` waits in a meeting of a scope holding this rank, which this rank never joined."""
+        key = f"w/{peer}"
+        if not self.store.check([key]):
+            return None
+        raw = self.store.get(key)
+        if not raw:
+            return None
+        meeting, scope = json.loads(raw)
+        same_epoch = meeting.startswith(f"{self.state.epoch}/")
+        if meeting == self.meeting or not same_epoch or self.rank not in scope or meeting in self.state.joined:
+            return None
+        self.peer_meetings.add(meeting)
+        entry = f"e/{meeting}/{peer}"
+        theirs = [Collective.from_json(r) for r in json.loads(self.store.get(entry))]
+        return self._compare(peer, theirs, other_scope=tuple(scope))
+
+    def _compare(self, peer: int, theirs: list[Collective], other_scope: tuple[int, ...] | None = None) -> str | None:
+        i = first_difference(self.records, theirs, self.rank, peer)
+        if i is None:
+            if other_scope is None:
+                return None
+            return (
+                f"rank {peer} waits for this rank at another graph with the same collectives: the ranks run "
+                f"their compiled graphs in different orders"
+            )
+        mine = self.records[i] if i < len(self.records) else None
+        their = theirs[i] if i < len(theirs) else None
+        where = f" (rank {peer}'s graph runs on ranks {_ranks(other_scope)})" if other_scope else ""
+        return (
+            f"collective #{i} differs between rank {self.rank} and rank {peer}{where}:\n"
+            f"  rank {self.rank}: {_line(mine)}\n"
+            f"  rank {peer}: {_line(their)}"
+        )
+
+    def _head(self) -> str:
+        return f"collective check of a compiled graph on rank {self.rank} (ranks {_ranks(self.scope)}):"
+
+    def _message(self, differences: list[str]) -> str:
+        return (
+            f"{self._head()} ranks compiled graphs that issue different collectives; running them would hang "
+            f"or exchange wrong data.\n" + "\n".join(differences[:4]) + "\nMake every rank run the same collectives "
+            "in the same order (a branch on the rank, or rank-dependent shapes, around a collective), or set "
+            "DYNAMO_EXT_COLLECTIVE_CHECK=0 to skip this check."
+        )
+
+
+def _ranks(scope: Sequence[int] | None) -> str:
+    scope = list(scope or ())
+    if len(scope) > 1 and scope == list(range(scope[0], scope[-1] + 1)):
+        return f"{scope[0]}-{scope[-1]}"
+    return ",".join(map(str, scope))
+
+
+def _line(c: Collective | None) -> str:
+    if c is None:
+        return "no collective (its graph ends here)"
+    return f"{c.describe()} at {c.source or '<unknown source>'}"

@@ -1,0 +1,230 @@
+"""The collective sequence of an FX graph: what every rank of a group must issue alike.
+
+NOTE [collective fingerprint]
+A fingerprint lists a graph's collectives in graph order (the order the
+compiled code issues them; Inductor keeps it, and the bucketing pass keeps it
+rank-consistent, NOTE [rank-invariant first use]).  Each entry holds only what
+the ranks of the group must agree on: the op, the group, the reduce op, the
+input shapes and dtypes, and the op's other scalar arguments.  Everything else
+in the graph (the compute around the collectives, which may depend on the rank)
+is left out, so rank-dependent compute with the same collectives is no
+mismatch.  Left out too, because they legitimately differ per rank:
+
+* the split sizes of ``all_to_all_single`` and the dim 0 of its input (uneven
+  splits);
+* point-to-point ops (``isend``, ``irecv``, ``batch_p2p_ops``): their peers are
+  rank-dependent by design;
+* symbolic sizes are written as ``?`` (their values are checked by the collective itself).
+
+Groups: two ranks that are both in an entry's group must name the same group;
+ranks in different groups of the same shape (tensor-parallel group 0 and group 1
+of a 2-D mesh) compare the groups' rank patterns (ranks minus the group's first
+rank), so ``tp`` and ``dp`` of a mesh stay apart.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+import torch.fx
+
+from .. import _compat
+
+# Namespaces whose ops are collectives, and the ops in them that are not (or are point-to-point).
+_NAMESPACES = frozenset({"_c10d_functional", "_c10d_functional_autograd", "c10d"})
+_NOT_COLLECTIVES = frozenset(
+    {"wait_tensor", "wait", "isend", "irecv", "batch_p2p_ops", "send", "recv_", "recv_any_source_"}
+)
+_SPLIT_ARGS = frozenset({"output_split_sizes", "input_split_sizes"})
+_GROUP_ARGS = frozenset({"group_name", "group", "process_group", "tag"})
+_REDUCE_ARGS = frozenset({"reduce_op", "reduceOp", "op"})
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+    """One collective of a graph, in the form ranks exchange (JSON-able fields).
+
+    Attributes:
+        op: ``namespace.name`` of the op (``_c10d_functional.all_reduce``).
+        group: the process group's name (``""`` when the graph names none).
+        ranks: the group's global ranks, sorted (empty when unknown).
+        reduce_op: the reduce op (``"sum"``, ...) or ``""``.
+        tensors: ``"dtype[d0,d1,...]"`` per tensor input, symbolic sizes as ``?``.
+        args: the op's other scalar arguments, ``name=value``.
+        phase: ``"forward"`` or ``"backward"`` (which graph of the pair it sits in).
+        source: the user's source line (``file:line: code``) or ``""``; never compared.
+    """
+
+    op: str
+    group: str
+    ranks: tuple[int, ...]
+    reduce_op: str
+    tensors: tuple[str, ...]
+    args: tuple[str, ...]
+    phase: str
+    source: str = ""
+
+    def describe(self) -> str:
+        """One line for error messages: ``all_reduce(float32[4, 4], sum) on group '0' (ranks 0-3)``."""
+        inner = ", ".join((*self.tensors, *([self.reduce_op] if self.reduce_op else []), *self.args))
+        ranks = f"{self.ranks[0]}-{self.ranks[-1]}" if _contiguous(self.ranks) else ",".join(map(str, self.ranks))
+        return f"{self.phase} {self.op.split('.')[-1]}({inner}) on group {self.group!r} (ranks {ranks})"
+
+    def to_json(self) -> list[Any]:
+        return [
+            self.op,
+            self.group,
+            list(self.ranks),
+            self.reduce_op,
+            list(self.tensors),
+            list(self.args),
+            self.phase,
+            self.source,
+        ]
+
+    @classmethod
+    def from_json(cls, row: Sequence[Any]) -> Collective:
+        op, group, ranks, reduce_op, tensors, args, phase, source = row
+        return cls(op, group, tuple(ranks), reduce_op, tuple(tensors), tuple(args), phase, source)
+
+
+def _contiguous(ranks: tuple[int, ...]) -> bool:
+    return len(ranks) > 1 and list(ranks) == list(range(ranks[0], ranks[-1] + 1))
+
+
+def _pattern(ranks: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(r - ranks[0] for r in ranks) if ranks else ()
+
+
+def same_collective(mine: Collective, theirs: Collective, my_rank: int, their_rank: int) -> bool:
+    """Whether rank ``my_rank`` issuing ``mine`` and rank ``their_rank`` issuing ``theirs`` agree.
+
+    Equal op, reduce op, tensors and arguments; the same group when either rank
+    is in the other's group, else groups of the same rank pattern (NOTE [collective fingerprint]).
+    """
+    if (mine.op, mine.reduce_op, mine.tensors, mine.args, mine.phase) != (
+        theirs.op,
+        theirs.reduce_op,
+        theirs.tensors,
+        theirs.args,
+        theirs.phase,
+    ):
+        return False
+    if their_rank in mine.ranks or my_rank in theirs.ranks or not mine.ranks or not theirs.ranks:
+        return (mine.group, mine.ranks) == (theirs.group, theirs.ranks)
+    return _pattern(mine.ranks) == _pattern(theirs.ranks)
+
+
+def first_difference(
+    mine: Sequence[Collective], theirs: Sequence[Collective], my_rank: int, their_rank: int
+) -> int | None:
+    """Index of the first collective where the sequences differ (``len`` of the shorter one when one
+    is a prefix of the other), ``None`` when they agree."""
+    for i, (a, b) in enumerate(zip(mine, theirs)):
+        if not same_collective(a, b, my_rank, their_rank):
+            return i
+    return None if len(mine) == len(theirs) else min(len(mine), len(theirs))
+
+
+def _dim(s: Any) -> str:
+    return str(s) if isinstance(s, int) else "?"
+
+
+def _tensor_spec(val: Any, *, skip_dim0: bool = False) -> str | None:
+    if not isinstance(val, torch.Tensor):
+        return None
+    dims = [_dim(s) for s in val.shape]
+    if skip_dim0 and dims:
+        dims[0] = "*"
+    return f"{str(val.dtype).removeprefix('torch.')}[{', '.join(dims)}]"
+
+
+def _group_name(value: Any) -> str:
+    if isinstance(value, str):
+        return value
+    name = getattr(value, "group_name", None)
+    return name if isinstance(name, str) else str(value)
+
+
+_LIBRARY_DIRS = (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _source_line(node: torch.fx.Node) -> str:
+    """``file:line: code`` of the innermost user frame in ``node.meta["stack_trace"]``, or ``""``.
+
+    Frames in torch's and dynamo-ext's own files (DTensor's dispatch, our
+    tracker's polyfills) are skipped while a user frame is left.
+    """
+    trace = node.meta.get("stack_trace") or ""
+    lines = [ln.strip() for ln in trace.strip().splitlines()]
+    frames = []
+    for i, head in enumerate(lines):
+        if head.startswith('File "'):
+            path = head.split('"', 2)[1]
+            lineno = head.split(", line ", 1)[1].split(",", 1)[0] if ", line " in head else "?"
+            code = lines[i + 1] if i + 1 < len(lines) and not lines[i + 1].startswith('File "') else ""
+            frames.append((path, f"{path}:{lineno}: {code}".rstrip(": ")))
+    user = [text for path, text in frames if not path.startswith(_LIBRARY_DIRS)]
+    return (user or [text for _, text in frames] or [""])[-1]
+
+
+def _subgraphs(gm: torch.fx.GraphModule, node: torch.fx.Node) -> Iterator[torch.fx.GraphModule]:
+    """Graph modules a higher-order op node calls (its ``get_attr`` arguments)."""
+    for arg in node.all_input_nodes:
+        if arg.op == "get_attr":
+            sub = getattr(gm, str(arg.target), None)
+            if isinstance(sub, torch.fx.GraphModule):
+                yield sub
+
+
+def collectives(gm: torch.fx.GraphModule, phase: str = "forward") -> list[Collective]:
+    """The collectives of ``gm`` in graph order (subgraphs of higher-order ops where they are called).
+
+    Args:
+        gm: an FX graph whose nodes carry ``meta["val"]`` (AOTAutograd's forward,
+            backward or inference graph); tensors without it count as ``"?"``.
+        phase: written into each entry.
+    """
+    out: list[Collective] = []
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        schema = _compat.op_schema(node.target)
+        if schema is None:
+            for sub in _subgraphs(gm, node):
+                out += collectives(sub, phase)
+            continue
+        namespace, _, name = schema.name.partition("::")
+        if namespace not in _NAMESPACES or name in _NOT_COLLECTIVES:
+            continue
+        out.append(_collective(node, schema, f"{namespace}.{name}", phase))
+    return out
+
+
+def _collective(node: torch.fx.Node, schema: Any, op: str, phase: str) -> Collective:
+    bound = dict(zip((a.name for a in schema.arguments), node.args))
+    bound.update(node.kwargs)
+    all_to_all = op.endswith("all_to_all_single")
+    group, reduce_op, tensors, args = "", "", [], []
+    for arg_name, value in bound.items():
+        if arg_name in _GROUP_ARGS and not isinstance(value, (torch.fx.Node, list, tuple)):
+            group = group or _group_name(value)
+        elif arg_name in _REDUCE_ARGS and isinstance(value, str):
+            reduce_op = value
+        elif arg_name in _SPLIT_ARGS:
+            continue
+        elif isinstance(value, torch.fx.Node) or (
+            isinstance(value, (list, tuple)) and value and all(isinstance(v, torch.fx.Node) for v in value)
+        ):
+            for v in value if isinstance(value, (list, tuple)) else (value,):
+                spec = _tensor_spec(v.meta.get("val"), skip_dim0=all_to_all)
+                tensors.append(spec if spec is not None else "?")
+        else:
+            args.append(f"{arg_name}={value!r}")
+    return Collective(
+        op, group, _compat.group_ranks(group), reduce_op, tuple(tensors), tuple(args), phase, _source_line(node)
+    )

@@ -1,0 +1,42 @@
+"""dynamo-ext settings, a torch config module (``torch.utils._config_module``).
+
+Read and set them as attributes (``dynamo_ext.config.collective_check = False``)
+or for a block with ``dynamo_ext.config.patch(collective_check=False)`` (also a
+decorator).  Environment variables give the defaults:
+
+* ``DYNAMO_EXT_COLLECTIVE_CHECK=0`` switches the collective-sequence check off
+  (NOTE [collective check meeting point]);
+* ``DYNAMO_EXT_COLLECTIVE_CHECK_TIMEOUT=<seconds>`` sets how long a rank waits
+  for the others at a compiled graph's first run.
+"""
+
+import os
+import sys
+
+from ._compat import config_module
+
+_install_config_module, _Config = config_module()
+
+
+def _seconds_from_env(name: str, default: float) -> float:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise ValueError(f"{name}={raw!r}: expected a positive number of seconds, for example {name}={default:g}")
+    return value
+
+
+collective_check: bool = _Config(default=True, env_name_default="DYNAMO_EXT_COLLECTIVE_CHECK")
+"""Before a compiled graph with collectives first runs, compare its collective sequence (forward and
+backward) across the ranks of its groups and raise ``dynamo_ext.CollectiveMismatchError`` on a difference."""
+
+collective_check_timeout_s: float = _seconds_from_env("DYNAMO_EXT_COLLECTIVE_CHECK_TIMEOUT", 300.0)
+"""Seconds a rank waits at a graph's first run for a peer that has not arrived (it may still be compiling:
+keep this above the longest compile).  Mismatches between ranks that both arrive are reported at once."""
+
+_install_config_module(sys.modules[__name__])

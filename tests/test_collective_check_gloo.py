@@ -1,0 +1,153 @@
+"""The collective-sequence check on 3 real gloo ranks (one launch for every case).
+
+Divergent programs (another op, shape, dtype, group, order; in the forward and
+only in the backward) must end with ``CollectiveMismatchError`` on every rank,
+naming the first differing collective and its source line; rank-dependent
+programs with the same collectives must run and match eager.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+from helpers import run_on_ranks
+
+pytestmark = pytest.mark.gloo
+
+WORLD = 3
+
+
+def _divergent(rank: int, sub) -> dict:
+    """name -> fn(x) whose collectives differ on some rank."""
+
+    def op(x):
+        y = x.clone()
+        if rank == 2:
+            return funcol.all_gather_tensor(y, 0, dist.group.WORLD)
+        dist.all_reduce(y)  # divergent: op
+        return y
+
+    def shape(x):
+        y = x[:2].clone() if rank == 1 else x.clone()
+        dist.all_reduce(y)  # divergent: shape
+        return y
+
+    def dtype(x):
+        y = x.double() if rank == 0 else x.clone()
+        dist.all_reduce(y)  # divergent: dtype
+        return y
+
+    def group(x):
+        y = x.clone()
+        dist.all_reduce(y, group=sub if rank == 2 else None)  # divergent: group
+        return y
+
+    def order(x):
+        x = x.detach()
+        if rank == 1:
+            b = funcol.all_reduce(x, "max", dist.group.WORLD)
+            a = funcol.all_reduce(x, "sum", dist.group.WORLD)  # divergent: order
+        else:
+            a = funcol.all_reduce(x, "sum", dist.group.WORLD)  # divergent: order
+            b = funcol.all_reduce(x, "max", dist.group.WORLD)
+        return a + b
+
+    def backward_only(x):
+        from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, init_device_mesh
+
+        mesh = init_device_mesh("cpu", (WORLD,))
+        d = DTensor.from_local(x, mesh, [Shard(0)], run_check=False).redistribute(mesh, [Replicate()])
+        grad = [Partial()] if rank == 0 else [Replicate()]  # backward: reduce-scatter on rank 0 only
+        return d.to_local(grad_placements=grad) * 2
+
+    return {"op": op, "shape": shape, "dtype": dtype, "group": group, "order": order, "backward_only": backward_only}
+
+
+def _consistent(rank: int) -> dict:
+    """name -> (fn, args) that compute differently per rank but issue the same collectives."""
+
+    def rank_compute(x):
+        y = x * (rank + 1)
+        if rank == 0:
+            y = y.sin()
+        dist.all_reduce(y)
+        return y + rank
+
+    def local_shape(x, local):
+        y = x + local.sum(0)  # local: (rank + 2, 4)
+        dist.all_reduce(y)
+        return y
+
+    x = torch.randn(4, generator=torch.Generator().manual_seed(rank)).requires_grad_()
+    local = torch.randn(rank + 2, 4, generator=torch.Generator().manual_seed(10 + rank))
+    return {"rank_compute": (rank_compute, (x,)), "local_shape": (local_shape, (x, local))}
+
+
+def _rank(rank: int, world: int) -> dict:
+    from dynamo_ext import CollectiveMismatchError, collective_check, config
+
+    config.collective_check_timeout_s = 40.0
+    sub = dist.new_group([1, 2])
+    out: dict = {}
+    for name, fn in _divergent(rank, sub).items():
+        torch._dynamo.reset()
+        x = torch.arange(6.0).requires_grad_() + rank
+        start = time.monotonic()
+        try:
+            y = torch.compile(fn, backend="aot_eager", fullgraph=True)(x)
+            y.sum().backward()
+            out[name] = ("no error", 0.0)
+        except CollectiveMismatchError as e:
+            out[name] = (str(e), time.monotonic() - start)
+        collective_check.reset()  # the ranks stopped at different meetings
+        dist.barrier()
+    for name, (fn, args) in _consistent(rank).items():
+        torch._dynamo.reset()
+        eager = fn(*args)
+        compiled = torch.compile(fn, backend="aot_eager", fullgraph=True)
+        got = compiled(*args)
+        ok = bool(torch.allclose(eager, got))
+        if name == "local_shape":  # again, rank 0 with another local shape: a recompile there only, same collectives
+            args2 = (args[0], torch.ones(7, 4)) if rank == 0 else args
+            ok = ok and bool(torch.allclose(compiled(*args2), fn(*args2)))
+        out[name] = ok
+        dist.barrier()
+    return out
+
+
+@pytest.fixture(scope="module")
+def results():
+    out = run_on_ranks(_rank, nproc=WORLD)
+    print(out)
+    return out
+
+
+@pytest.mark.parametrize("case", ["op", "shape", "dtype", "group", "order", "backward_only"])
+def test_divergent_collectives_raise_on_every_rank(results, case):
+    for rank in range(WORLD):
+        message, seconds = results[rank][case]
+        assert message != "no error", f"rank {rank}: {case} ran without CollectiveMismatchError"
+        assert seconds < 60, f"rank {rank}: {case} took {seconds:.0f} s"
+    names = [results[r][case][0] for r in range(WORLD)]
+    # At least the ranks that compared directly name the first differing collective and the user's line.
+    assert any("differs between rank" in m and "test_collective_check_gloo.py:" in m for m in names), names
+
+
+def test_divergent_messages_name_the_collective(results):
+    shape = results[0]["shape"][0]
+    assert "collective #0 differs between rank 0 and rank 1" in shape
+    assert "float32[6]" in shape and "float32[2]" in shape
+    assert "# divergent: shape" in shape
+    assert "bfloat" not in results[0]["dtype"][0] and "float64[6]" in results[0]["dtype"][0]
+    assert "backward reduce_scatter_tensor" in results[1]["backward_only"][0] or (
+        "backward reduce_scatter_tensor" in results[0]["backward_only"][0]
+    )
+
+
+@pytest.mark.parametrize("case", ["rank_compute", "local_shape"])
+def test_rank_dependent_compute_with_the_same_collectives_runs(results, case):
+    assert all(results[r][case] is True for r in range(WORLD))
