@@ -373,12 +373,14 @@ def group_ranks(name: str) -> tuple[int, ...]:
 
 def group_is_fake(name: str) -> bool:
     """Whether the group named ``name`` runs on the single-process ``fake`` backend (no peer to meet)."""
+    import torch.distributed as dist
+
     group = _resolve_group(name)
     if group is None:
         return False
     try:
-        return group._get_backend_name() == "fake"
-    except (AttributeError, RuntimeError):
+        return dist.get_backend(group) == "fake"
+    except (AttributeError, RuntimeError, ValueError):
         return False
 
 

@@ -118,34 +118,76 @@ def test_dependent_all_reduce_is_not_merged(world):
     torch.testing.assert_close(out, list(fn(*args)))  # x.sum() may round differently compiled
 
 
-def test_result_used_before_a_later_collective_splits_the_bucket():
-    """A result read between two collectives: merging would move the read after the second."""
+def _all_reduces_with_reads(reads: dict[int, str]):
+    """Four all-reduces of ``x0..x3``; ``reads[i]`` says what reads result ``i`` right after its wait.
+
+    ``"compute"``: ``w * 2 + w.sum()`` (what one rank may log or use early), kept in the outputs;
+    ``"collective"``: an all-gather of ``w * 2`` (data flow between collectives).
+    """
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
-    c10d = torch.ops._c10d_functional
+    aten, c10d = torch.ops.aten, torch.ops._c10d_functional
     g = torch.fx.Graph()
     xs = [g.placeholder(f"x{i}") for i in range(4)]
     outs = []
     for i, x in enumerate(xs):
         w = g.call_function(c10d.wait_tensor.default, (g.call_function(c10d.all_reduce.default, (x, "sum", "0")),))
-        outs.append(g.call_function(torch.ops.aten.mul.Tensor, (w, 2.0)) if i == 1 else w)
+        outs.append(w)
+        if reads.get(i) == "compute":
+            doubled = g.call_function(aten.mul.Tensor, (w, 2.0))
+            outs.append(g.call_function(aten.add.Tensor, (doubled, g.call_function(aten.sum.default, (w,)))))
+        elif reads.get(i) == "collective":
+            doubled = g.call_function(aten.mul.Tensor, (w, 2.0))
+            gathered = g.call_function(c10d.all_gather_into_tensor.default, (doubled, 4, "0"))
+            outs.append(g.call_function(c10d.wait_tensor.default, (gathered,)))
     g.output(tuple(outs))
     gm = torch.fx.GraphModule(torch.nn.Module(), g)
     mode = FakeTensorMode()
     with mode:
         fake = [torch.empty(8 + i) for i in range(4)]
     FakeTensorProp(gm, mode).propagate(*fake)
-    before = str(gm.graph)
-    plan = bucketing.plan_buckets(gm.graph)
-    assert [[m.all_reduce.args[0].name for m in b] for b in plan] == [["x0", "x1"], ["x2", "x3"]]
-    assert str(gm.graph) == before  # planning is pure
-    assert bucketing.bucket_all_reduces(gm.graph) == 2
-    targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
-    assert targets.count(c10d.all_reduce.default) == 2
-    # the merged collectives keep their relative order and sit where x1's and x3's did
-    order = [n for n in gm.graph.nodes if n.target is c10d.all_reduce.default]
-    assert [a.args[0].args[0][0].args[0].name for a in order] == ["x0", "x2"]
+    return gm
+
+
+def _plan_names(gm):
+    return [[m.collective.args[0].name for m in b] for b in bucketing.plan_buckets(gm.graph)]
+
+
+def test_a_result_read_early_on_one_rank_only_does_not_change_the_plan():
+    """NOTE [rank-invariant first use]: rank 0 reads result 1 before all-reduce 2, rank 1 does not.
+
+    Both ranks must bucket alike (else one issues 1 all-reduce and the other 2: a hang); the read
+    moves after the merged all-reduce, and the merged graph computes what the graph did.
+    """
+    rank0, rank1 = _all_reduces_with_reads({1: "compute"}), _all_reduces_with_reads({})
+    before = str(rank0.graph)
+    assert _plan_names(rank0) == _plan_names(rank1) == [["x0", "x1", "x2", "x3"]]
+    assert str(rank0.graph) == before  # planning is pure
+    real = [torch.randn(8 + i) for i in range(4)]
+    for gm in (rank0, rank1):
+        expected = _SimulatedWorld(gm, 0, 4).run(*real)
+        assert bucketing.bucket_collectives(gm.graph) == 3
+        gm.recompile()
+        got = _SimulatedWorld(gm, 0, 4).run(*real)
+        assert all(torch.allclose(o, e) for o, e in zip(got, expected))
+        targets = [n.target for n in gm.graph.nodes]
+        assert targets.count(torch.ops._c10d_functional.all_reduce.default) == 1
+
+
+def test_a_collective_reading_a_result_closes_the_bucket():
+    """Data flow between collectives (an all-gather of result 1) is what splits a bucket, on every rank."""
+    gm = _all_reduces_with_reads({1: "collective"})
+    assert _plan_names(gm) == [["x0", "x1"], ["x2", "x3"]]
+    real = [torch.randn(8 + i) for i in range(4)]
+    expected = _SimulatedWorld(gm, 0, 4).run(*real)
+    assert bucketing.bucket_collectives(gm.graph) == 2
+    gm.recompile()
+    assert all(torch.allclose(o, e) for o, e in zip(_SimulatedWorld(gm, 0, 4).run(*real), expected))
+    # the merged collectives keep their relative order and the all-gather stays between them
+    order = [n.target.__name__ for n in gm.graph.nodes if n.op == "call_function" and "wait" not in str(n.target)]
+    collectives = [t for t in order if "all_reduce" in t or "all_gather" in t]
+    assert collectives == ["all_reduce.default", "all_gather_into_tensor.default", "all_reduce.default"]
 
 
 def test_big_all_reduces_stay_alone_and_buckets_close_at_the_cap(world):
@@ -277,6 +319,8 @@ class _SimulatedWorld(torch.fx.Interpreter):
         c10d = torch.ops._c10d_functional
         if target is c10d.wait_tensor.default:
             return args[0]
+        if target is c10d.all_reduce.default:
+            return sum(args[0] + 1000 * r for r in range(self.size))
         if target is c10d.all_gather_into_tensor.default:
             return torch.cat([args[0] + 1000 * r for r in range(self.size)])
         if target is c10d.reduce_scatter_tensor.default:

@@ -1,27 +1,34 @@
 """Fusion 2: merge independent small collectives (all-reduce, all-gather, reduce-scatter) into one per bucket.
 
 NOTE [all-reduce bucketing order]
-Every rank compiles the same graph and this pass is a pure function of it, so
-buckets, and the position of each merged collective, are the same on every rank.
 Candidates are visited in graph order; a candidate joins the open bucket of its
 key (kind, group, reduce op, dtype; group size for all-gather / reduce-scatter)
-only if it comes before the first use of any result already in the bucket.  The
-merged collective then sits where the last member's collective was: every
-member's input exists there, and no member's result is read before it.
-Collectives are never moved earlier, and buckets are issued in the order of
-their last members, the same on every rank.
+unless its input is computed from a result already in the bucket, or a
+collective (or another node that cannot move, one with side effects) that reads
+such a result comes before it.  The merged collective then sits where the last
+member's collective was: every member's input exists there; the compute that
+read a member's result before that point moves after the merged collective's
+unpacking, in its order.  Collectives are never moved earlier, and buckets are
+issued in the order of their last members.
 
 NOTE [rank-invariant first use]
-The graphs of different ranks are not always identical: with uneven shards
-(FSDP2 pads 10 rows over 4 ranks to 3, 3, 3, 1) the slice that takes a rank's
-rows out of a reduce-scatter's result is a no-op, removed by Inductor, on the
-ranks whose shard is whole, and a real node right after the wait on the others.
-A plan that counted that slice as the first use would split the bucket on some
-ranks only, and the ranks would issue different collectives and hang.  So the
-first use of a result looks through the views of it (slices, views, reshapes,
-transposes, ...: the ops a no-op removal can erase, and a ``constant_pad_nd``
-that only cuts, which is how the backward of FSDP2's padding slices), and the
-merge moves such views after the merged collective's unpacking.
+Ranks do not compile identical graphs: the plugin folds the rank to a constant,
+so ``if rank == 0: log(y.sum())`` reads an all-reduce's result early on rank 0
+only; with uneven shards (FSDP2 pads 10 rows over 4 ranks to 3, 3, 3, 1) the
+slice that takes a rank's rows out of a reduce-scatter's result is a no-op,
+removed by Inductor, on the ranks whose shard is whole, and a real node right
+after the wait on the others.  A plan that let such a read split the bucket
+would split it on some ranks only, and the ranks would issue different
+collectives and hang (this happened).  So the plan depends only on what every
+rank agrees on: the collective sequence (op, group, reduce op, shapes, dtypes,
+order: what the collective check compares across ranks, NOTE [collective
+fingerprint]) and the data flow between collectives.  Plain compute that reads
+a result, whatever the rank does with it, never splits a bucket; it moves after
+the merged collective.  What remains rank-dependent is only a program whose
+data flow between its collectives differs per rank (rank 0 feeds a reduced
+result into the next collective, rank 1 does not): its collectives still agree
+on op, shape and order, but nothing short of asking the other ranks could make
+the buckets agree, and such a program is left to the collective check.
 
 The merged all-reduce reads one flat buffer built by ``cat`` of the flattened
 inputs, which Inductor lowers to a single pack kernel with the inputs' pointwise
@@ -82,14 +89,6 @@ class _Member:
     def all_reduce(self) -> torch.fx.Node:
         """The collective (the name from when only all-reduces were bucketed)."""
         return self.collective
-
-
-@dataclasses.dataclass
-class _Bucket:
-    key: tuple[Any, ...]
-    members: list[_Member]
-    first_use: int
-    nbytes: int
 
 
 def _val(node: Any) -> Any:
@@ -175,70 +174,88 @@ def bucket_key(node: torch.fx.Node) -> tuple[Any, ...] | None:
     return None if found is None else found[0]
 
 
-# Ops whose result aliases their input: what Inductor's no-op removal may erase on some ranks.
-_VIEW_OPS = frozenset(
-    {"slice", "select", "view", "reshape", "_unsafe_view", "t", "permute", "transpose", "squeeze", "unsqueeze"}
-    | {"expand", "alias", "as_strided", "narrow"}
-)
+# Namespaces whose ops are collectives or waits: never moved across a merged collective.
+_COLLECTIVE_NAMESPACES = frozenset({"_c10d_functional", "_c10d_functional_autograd", "c10d", "symm_mem"})
 
 
-def _is_view(node: torch.fx.Node) -> bool:
-    """A view of its input, or a ``constant_pad_nd`` that only cuts (the backward of a pad): a slice."""
-    if node.op != "call_function":
+def _movable(node: torch.fx.Node) -> bool:
+    """Whether ``node`` may move later, past a merged collective: pure compute, no collective or wait."""
+    if node.op != "call_function" or node.is_impure():
         return False
-    name = getattr(getattr(node.target, "overloadpacket", None), "__name__", None)
-    if name == "constant_pad_nd":
-        return all(isinstance(p, int) and p <= 0 for p in node.args[1])
-    return name in _VIEW_OPS
+    return getattr(node.target, "namespace", None) not in _COLLECTIVE_NAMESPACES
 
 
-def _view_chain(wait: torch.fx.Node) -> list[torch.fx.Node]:
-    """The views of ``wait``'s result (views of views too) whose only data input is it, in graph order."""
-    chain: list[torch.fx.Node] = []
-    frontier = [wait]
-    while frontier:
-        node = frontier.pop()
-        for user in node.users:
-            if _is_view(user) and user not in chain:
-                inputs = [a for a in user.all_input_nodes if a is not node]
-                if all(a in chain or a is wait for a in inputs):
-                    chain.append(user)
-                    frontier.append(user)
-    return chain
-
-
-def _first_use(wait: torch.fx.Node, pos: dict[torch.fx.Node, int]) -> int:
-    """Position of the first node reading ``wait``'s result other than through views (NOTE [rank-invariant first use])."""
-    chain = set(_view_chain(wait))
-    readers = [u for n in (wait, *chain) for u in n.users if u not in chain]
-    return min((pos[u] for u in readers), default=len(pos))
+@dataclasses.dataclass
+class _OpenBucket:
+    key: tuple[Any, ...]
+    members: list[_Member]
+    nbytes: int
+    tainted: set[torch.fx.Node]
+    """Nodes computed from a member's result (NOTE [all-reduce bucketing order])."""
+    closed: bool = False
+    """A node that cannot move reads a member's result: no later candidate may join."""
 
 
 def plan_buckets(graph: torch.fx.Graph) -> list[list[_Member]]:
-    """Buckets of two or more collectives, in graph order (NOTE [all-reduce bucketing order])."""
+    """Buckets of two or more collectives, in graph order (NOTE [all-reduce bucketing order]).
+
+    A pure function of the collective sequence and the data flow between the
+    collectives, not of where compute reads their results (NOTE [rank-invariant first use]).
+    """
     pos = {n: i for i, n in enumerate(graph.nodes)}
-    open_buckets: dict[tuple[Any, ...], _Bucket] = {}
-    done: list[_Bucket] = []
+    open_buckets: dict[tuple[Any, ...], _OpenBucket] = {}
+    done: list[_OpenBucket] = []
+    waits: set[torch.fx.Node] = set()
     for node in graph.nodes:
         found = _candidate(node)
         if found is None:
+            if node in waits:
+                continue  # a member's own wait: the source of its bucket's taint, not a reader
+            for bucket in open_buckets.values():
+                if any(a in bucket.tainted for a in node.all_input_nodes):
+                    bucket.tainted.add(node)
+                    bucket.closed = bucket.closed or not _movable(node)
             continue
         key, nbytes = found
         wait = next(iter(node.users))
         member = _Member(node, wait, _val(node.args[0]).numel(), tuple(_val(node).shape))
-        first_use = _first_use(wait, pos)
+        for bucket in open_buckets.values():  # a candidate of another key reading a member's result
+            if bucket.key != key and any(a in bucket.tainted for a in node.all_input_nodes):
+                bucket.tainted.add(node)
+                bucket.closed = True
         bucket = open_buckets.get(key)
-        if bucket is not None and pos[node] < bucket.first_use and bucket.nbytes + nbytes <= options.bucket_cap_bytes:
+        joins = (
+            bucket is not None
+            and not bucket.closed
+            and not any(a in bucket.tainted for a in node.all_input_nodes)
+            and bucket.nbytes + nbytes <= options.bucket_cap_bytes
+        )
+        waits.add(wait)
+        if joins:
             bucket.members.append(member)
-            bucket.first_use = min(bucket.first_use, first_use)
             bucket.nbytes += nbytes
+            bucket.tainted.add(wait)
             continue
         if bucket is not None:
             done.append(bucket)
-        open_buckets[key] = _Bucket(key, [member], first_use, nbytes)
+        open_buckets[key] = _OpenBucket(key, [member], nbytes, {wait})
     done.extend(open_buckets.values())
     ordered = sorted(done, key=lambda b: pos[b.members[0].collective])
     return [b.members for b in ordered if len(b.members) > 1]
+
+
+def _readers_before(members: list[_Member], anchor: torch.fx.Node) -> list[torch.fx.Node]:
+    """Nodes before ``anchor`` computed from a member's result (other than the waits), in graph order."""
+    waits = {m.wait for m in members}
+    tainted: set[torch.fx.Node] = set(waits)
+    out: list[torch.fx.Node] = []
+    node = members[0].collective
+    while node is not anchor:
+        if node not in waits and any(a in tainted for a in node.all_input_nodes):
+            tainted.add(node)
+            out.append(node)
+        node = node.next
+    return out
 
 
 def _call(graph: torch.fx.Graph, target: Any, args: tuple[Any, ...], origin: torch.fx.Node) -> torch.fx.Node:
@@ -328,16 +345,14 @@ _MERGERS = {
 
 def merge_bucket(graph: torch.fx.Graph, members: list[_Member]) -> torch.fx.Node:
     """Replace the members by pack -> one collective -> wait -> unpack; return the new collective."""
-    pos = {n: i for i, n in enumerate(graph.nodes)}
-    views = sorted({v for m in members for v in _view_chain(m.wait)}, key=pos.__getitem__)
     anchor = members[-1].collective
+    readers = _readers_before(members, anchor)
     with graph.inserting_before(anchor):
         merged = _MERGERS[anchor.target](graph, members)
-    # NOTE [rank-invariant first use]: views read before the merged collective move after it, in order.
-    # The unpacking nodes all sit right before the anchor, so the views go there too, after them.
-    for view in views:
-        if pos[view] < pos[anchor]:
-            anchor.prepend(view)
+    # NOTE [rank-invariant first use]: what read a member's result before the merged collective moves
+    # after it, in order.  The unpacking nodes all sit right before the anchor, so the readers go there too.
+    for reader in readers:
+        anchor.prepend(reader)
     for m in members:
         graph.erase_node(m.wait)
         graph.erase_node(m.collective)
