@@ -1,4 +1,4 @@
-"""The collective-sequence check on 3 real gloo ranks (one launch for every case).
+"""The collective-sequence check on 4 real gloo ranks (one launch for every case).
 
 Divergent programs (another op, shape, dtype, group, order; in the forward and
 only in the backward) must end with ``CollectiveMismatchError`` on every rank,
@@ -18,7 +18,7 @@ from helpers import run_on_ranks
 
 pytestmark = pytest.mark.gloo
 
-WORLD = 3
+WORLD = 4
 
 
 def _divergent(rank: int, sub) -> dict:
@@ -67,7 +67,7 @@ def _divergent(rank: int, sub) -> dict:
     return {"op": op, "shape": shape, "dtype": dtype, "group": group, "order": order, "backward_only": backward_only}
 
 
-def _consistent(rank: int) -> dict:
+def _consistent(rank: int, mesh) -> dict:
     """name -> (fn, args) that compute differently per rank but issue the same collectives."""
 
     def rank_compute(x):
@@ -82,9 +82,20 @@ def _consistent(rank: int) -> dict:
         dist.all_reduce(y)
         return y
 
+    def mesh_2d(x):
+        # 2x2 mesh: rank 0's groups span ranks {0, 1, 2}, rank 1's {0, 1, 3}; the same collectives
+        y = funcol.all_reduce(x * (rank + 1), "sum", mesh.get_group("tp"))
+        if rank % 2:
+            y = y.cos()
+        return funcol.all_reduce(y, "max", mesh.get_group("dp")) + rank
+
     x = torch.randn(4, generator=torch.Generator().manual_seed(rank)).requires_grad_()
     local = torch.randn(rank + 2, 4, generator=torch.Generator().manual_seed(10 + rank))
-    return {"rank_compute": (rank_compute, (x,)), "local_shape": (local_shape, (x, local))}
+    return {
+        "rank_compute": (rank_compute, (x,)),
+        "local_shape": (local_shape, (x, local)),
+        "mesh_2d": (mesh_2d, (x.detach(),)),
+    }
 
 
 def _bucketing_agrees(rank: int) -> tuple[bool, int]:
@@ -132,7 +143,10 @@ def _rank(rank: int, world: int) -> dict:
             out[name] = (str(e), time.monotonic() - start)
         collective_check.reset()  # the ranks stopped at different meetings
         dist.barrier()
-    for name, (fn, args) in _consistent(rank).items():
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    for name, (fn, args) in _consistent(rank, mesh).items():
         torch._dynamo.reset()
         eager = fn(*args)
         compiled = torch.compile(fn, backend="aot_eager", fullgraph=True)
@@ -177,7 +191,7 @@ def test_divergent_messages_name_the_collective(results):
     )
 
 
-@pytest.mark.parametrize("case", ["rank_compute", "local_shape"])
+@pytest.mark.parametrize("case", ["rank_compute", "local_shape", "mesh_2d"])
 def test_rank_dependent_compute_with_the_same_collectives_runs(results, case):
     assert all(results[r][case] is True for r in range(WORLD))
 

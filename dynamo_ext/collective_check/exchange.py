@@ -2,26 +2,28 @@
 
 NOTE [collective check meeting point]
 Ranks meet in the default group's store (set/check/get only: no collective,
-so the check cannot itself hang on a rank that never comes), under a key that
-needs no agreement on compile order:
+so the check cannot itself hang on a rank that never comes), under keys that
+need no agreement on compile order:
 
-* the *scope* of a graph is the sorted set of global ranks of every group its
-  collectives use (every rank of a 2-D mesh for a TP + FSDP graph; the two
-  ranks of one pipeline stage for a stage's graph);
-* a rank numbers the fingerprints it has not seen agreed before, per scope:
-  the n-th new fingerprint first run in scope U meets under ``U/n``.  A graph
+* a graph meets once per process group its collectives use, with that group's
+  ranks (names of groups are the same on every rank).  A rank of a 2-D mesh
+  meets its tensor-parallel peers in the ``tp`` group's meeting and its
+  data-parallel peers in the ``dp`` group's: no single set of ranks would do,
+  since rank 0's groups span ranks {0, 1, 2} and rank 1's {0, 1, 3};
+* a rank numbers the fingerprints it has not seen agreed before, per group:
+  the n-th new fingerprint first run on group G meets under ``G/n``.  A graph
   compiled again on one rank only (a recompile, a cache miss) with the same
   collectives was agreed already and meets no one, so ranks do not drift apart.
 
-Each rank writes its fingerprint under ``e/U/n/<rank>`` and reads every other
-rank's of U, then compares (:func:`.fingerprint.first_difference`).  While it
-waits it also watches for two things that would otherwise cost the whole wait:
+Each rank writes its whole fingerprint under ``e/G/n/<rank>`` for each of its
+groups G and reads every other member's, then compares the whole sequences
+(:func:`.fingerprint.first_difference`).  While it waits it also watches for:
 
-* a peer that aborted this meeting (``a/U/n``: it found a mismatch, or timed
-  out): this rank raises too, with the peer's message;
-* a peer waiting in another meeting that this rank has not joined, whose scope
-  holds this rank (``w/<rank>``): the two wait on each other, so they run
-  different collectives (another group, another order).
+* a peer that aborted one of these meetings (``a/G/n``: it found a mismatch, or
+  timed out): this rank raises too, with the peer's message;
+* a peer waiting in a meeting of a group holding this rank that this rank has
+  not joined (``w/<rank>``): the two wait on each other, so they run different
+  collectives (another group, another order).
 
 Only when a peer never comes (it runs no compiled graph with collectives
 there) does the wait last ``config.collective_check_timeout_s``.
@@ -52,7 +54,7 @@ class _State:
         self.store = store
         self.epoch = epoch
         self.next_index: dict[str, int] = {}
-        self.agreed: set[tuple[str, str]] = set()
+        self.agreed: set[str] = set()
         self.joined: set[str] = set()
 
 
@@ -79,13 +81,6 @@ def reset() -> None:
         _state = _State(_state.store, _state.epoch + 1)
 
 
-def _scope(records: Sequence[Collective]) -> tuple[int, ...]:
-    ranks: set[int] = set()
-    for c in records:
-        ranks.update(c.ranks)
-    return tuple(sorted(ranks))
-
-
 def _digest(text: str) -> str:
     return hashlib.sha1(text.encode()).hexdigest()[:16]
 
@@ -105,65 +100,79 @@ def check_collectives(records: Sequence[Collective]) -> None:
     if not records or not config.collective_check:
         return
     rank = _compat.global_rank()
-    scope = _scope(records)
-    if rank is None or len(scope) < 2 or rank not in scope:
-        return
-    if any(_compat.group_is_fake(c.group) for c in records):
+    groups: dict[str, tuple[int, ...]] = {}
+    for c in records:
+        if c.group and len(c.ranks) > 1 and rank in c.ranks:
+            groups.setdefault(c.group, c.ranks)
+    if rank is None or not groups or any(_compat.group_is_fake(g) for g in groups):
         return
     store = _compat.default_store()
     if store is None:
         return
     state = _current_state(store)
-    scope_key = _digest(",".join(map(str, scope)))
     payload = json.dumps([c.to_json() for c in records])
     own = _digest(json.dumps([c.to_json()[:-1] for c in records]))  # without source lines
-    if (scope_key, own) in state.agreed:
+    if own in state.agreed:
         return
-    index = state.next_index.get(scope_key, 0)
-    state.next_index[scope_key] = index + 1
-    meeting = f"{state.epoch}/{scope_key}/{index}"
-    _Meeting(state, meeting, scope, rank, list(records), payload).run()
-    state.agreed.add((scope_key, own))
+    meetings = {}
+    for group, ranks in sorted(groups.items()):
+        key = _digest(group)
+        index = state.next_index.get(key, 0)
+        state.next_index[key] = index + 1
+        meetings[f"{state.epoch}/{key}/{index}"] = ranks
+    _Meeting(state, meetings, rank, list(records), payload).run()
+    state.agreed.add(own)
 
 
 class _Meeting:
+    """One graph's meetings, one per group (NOTE [collective check meeting point])."""
+
     def __init__(
-        self, state: _State, meeting: str, scope: tuple[int, ...], rank: int, records: list[Collective], payload: str
+        self, state: _State, meetings: dict[str, tuple[int, ...]], rank: int, records: list[Collective], payload: str
     ) -> None:
-        self.state, self.meeting, self.scope, self.rank = state, meeting, scope, rank
+        self.state, self.meetings, self.rank = state, meetings, rank
         self.records, self.payload = records, payload
         self.store = _compat.prefix_store(_PREFIX, state.store)
+        self.scope = tuple(sorted({r for ranks in meetings.values() for r in ranks}))
+        self.peer_meetings: set[str] = set()
 
     def run(self) -> None:
         store, rank = self.store, self.rank
-        store.set(f"e/{self.meeting}/{rank}", self.payload)
-        self.state.joined.add(self.meeting)
-        store.set(f"w/{rank}", json.dumps([self.meeting, list(self.scope)]))
+        for meeting in self.meetings:
+            store.set(f"e/{meeting}/{rank}", self.payload)
+            self.state.joined.add(meeting)
+        store.set(f"w/{rank}", json.dumps([[m, list(r)] for m, r in self.meetings.items()]))
         start = time.monotonic()
-        self.peer_meetings: set[str] = set()
         try:
             self._wait(start)
         except CollectiveMismatchError as e:
-            # Stop this meeting and those of the peers found waiting elsewhere: their fellows end too.
-            for meeting in {self.meeting, *self.peer_meetings}:
+            # Stop these meetings and those of the peers found waiting elsewhere: their fellows end too.
+            for meeting in {*self.meetings, *self.peer_meetings}:
                 store.set(f"a/{meeting}", f"rank {rank}: {e}")
             raise
         finally:
             store.set(f"w/{rank}", "")
         log.debug(
-            "collective check %s: %d ranks agree after %.3f s", self.meeting, len(self.scope), time.monotonic() - start
+            "collective check on rank %d: ranks %s agree after %.3f s",
+            rank,
+            _ranks(self.scope),
+            time.monotonic() - start,
         )
 
     def _wait(self, start: float) -> None:
         store = self.store
-        pending = [p for p in self.scope if p != self.rank]
+        pending = {(m, p) for m, ranks in self.meetings.items() for p in ranks if p != self.rank}
+        compared: set[int] = set()
         differences: list[str] = []
         sleep = 0.0005
         while pending:
-            for peer in list(pending):
-                key = f"e/{self.meeting}/{peer}"
+            for meeting, peer in sorted(pending):
+                key = f"e/{meeting}/{peer}"
                 if store.check([key]):
-                    pending.remove(peer)
+                    pending.discard((meeting, peer))
+                    if peer in compared:
+                        continue
+                    compared.add(peer)
                     theirs = [Collective.from_json(r) for r in json.loads(store.get(key))]
                     diff = self._compare(peer, theirs)
                     if diff:
@@ -172,19 +181,21 @@ class _Meeting:
                 raise CollectiveMismatchError(self._message(differences))
             if not pending:
                 return
-            if store.check([f"a/{self.meeting}"]):
-                raise CollectiveMismatchError(
-                    f"{self._head()} another rank stopped it: {store.get(f'a/{self.meeting}').decode()}"
-                )
-            for peer in pending:
+            for meeting in self.meetings:
+                if store.check([f"a/{meeting}"]):
+                    raise CollectiveMismatchError(
+                        f"{self._head()} another rank stopped it: {store.get(f'a/{meeting}').decode()}"
+                    )
+            for peer in sorted({p for _, p in pending}):
                 elsewhere = self._waiting_elsewhere(peer)
                 if elsewhere is not None:
                     differences.append(elsewhere)
             if differences:
                 raise CollectiveMismatchError(self._message(differences))
             if time.monotonic() - start > config.collective_check_timeout_s:
+                late = ", ".join(map(str, sorted({p for _, p in pending})))
                 raise CollectiveMismatchError(
-                    f"{self._head()} rank(s) {', '.join(map(str, pending))} did not reach a compiled graph with "
+                    f"{self._head()} rank(s) {late} did not reach a compiled graph with "
                     f"these collectives within {config.collective_check_timeout_s:g} s (dynamo_ext.config."
                     f"collective_check_timeout_s); they run other code here (eager collectives, a graph without "
                     f"collectives, another branch), or compile for longer than that. This rank's collectives:\n"
@@ -197,21 +208,21 @@ class _Meeting:
             sleep = min(sleep * 2, 0.02)
 
     def _waiting_elsewhere(self, peer: int) -> str | None:
-        """A difference when ``peer`` waits in a meeting of a scope holding this rank, which this rank never joined."""
+        """A difference when ``peer`` waits in a meeting of a group holding this rank, which this rank never joined."""
         key = f"w/{peer}"
         if not self.store.check([key]):
             return None
         raw = self.store.get(key)
         if not raw:
             return None
-        meeting, scope = json.loads(raw)
-        same_epoch = meeting.startswith(f"{self.state.epoch}/")
-        if meeting == self.meeting or not same_epoch or self.rank not in scope or meeting in self.state.joined:
-            return None
-        self.peer_meetings.add(meeting)
-        entry = f"e/{meeting}/{peer}"
-        theirs = [Collective.from_json(r) for r in json.loads(self.store.get(entry))]
-        return self._compare(peer, theirs, other_scope=tuple(scope))
+        for meeting, scope in json.loads(raw):
+            same_epoch = meeting.startswith(f"{self.state.epoch}/")
+            if meeting in self.meetings or not same_epoch or self.rank not in scope or meeting in self.state.joined:
+                continue
+            self.peer_meetings.add(meeting)
+            theirs = [Collective.from_json(r) for r in json.loads(self.store.get(f"e/{meeting}/{peer}"))]
+            return self._compare(peer, theirs, other_scope=tuple(scope))
+        return None
 
     def _compare(self, peer: int, theirs: list[Collective], other_scope: tuple[int, ...] | None = None) -> str | None:
         i = first_difference(self.records, theirs, self.rank, peer)
@@ -224,7 +235,7 @@ class _Meeting:
             )
         mine = self.records[i] if i < len(self.records) else None
         their = theirs[i] if i < len(theirs) else None
-        where = f" (rank {peer}'s graph runs on ranks {_ranks(other_scope)})" if other_scope else ""
+        where = f" (rank {peer} waits for this rank at a graph on ranks {_ranks(other_scope)})" if other_scope else ""
         return (
             f"collective #{i} differs between rank {self.rank} and rank {peer}{where}:\n"
             f"  rank {self.rank}: {_line(mine)}\n"
