@@ -143,6 +143,21 @@ def _rank(rank: int, world: int) -> dict:
             out[name] = (str(e), time.monotonic() - start)
         collective_check.reset()  # the ranks stopped at different meetings
         dist.barrier()
+    # A graph only rank 0 reaches (the others run an eager all-reduce there): bounded wait, then the error.
+    config.collective_check_timeout_s = 3.0
+    y = torch.ones(4)
+    if rank == 0:
+        start = time.monotonic()
+        try:
+            torch.compile(lambda t: funcol.all_reduce(t, "sum", dist.group.WORLD), backend="aot_eager")(y)
+            out["only_rank_0"] = ("no error", 0.0)
+        except CollectiveMismatchError as e:
+            out["only_rank_0"] = (str(e), time.monotonic() - start)
+    dist.all_reduce(y)  # rank 0 then meets the others' eager all-reduce: nobody hangs
+    config.collective_check_timeout_s = 90.0
+    collective_check.reset()
+    dist.barrier()
+
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
@@ -199,3 +214,9 @@ def test_rank_dependent_compute_with_the_same_collectives_runs(results, case):
 def test_bucketing_agrees_when_one_rank_reads_a_result_early(results):
     """Item 2 of issue 9: a rank-local read does not change the buckets; results equal eager, no hang."""
     assert [results[r]["bucketing"] for r in range(WORLD)] == [(True, 1)] * WORLD
+
+
+def test_a_graph_only_one_rank_reaches_ends_after_the_timeout(results):
+    message, seconds = results[0]["only_rank_0"]
+    assert "rank(s) 1, 2, 3 did not reach a compiled graph with these collectives within 3 s" in message
+    assert seconds < 60
