@@ -46,20 +46,26 @@ class _Capture:
 
 
 def _may_have_collectives(gm: Any, example_inputs: Any) -> bool:
-    """Whether a Dynamo graph can lower to collectives (cheap, conservative)."""
+    """Whether a Dynamo graph can lower to collectives (cheap, conservative).
+
+    A collective op or a ``torch.distributed`` function in the graph or in a
+    higher-order op's body, or a tensor subclass (DTensor) among the inputs or attributes.
+    """
     if any(_compat.is_traceable_subclass(x) for x in example_inputs):
         return True
-    graph = getattr(gm, "graph", None)
-    if graph is None:
+    modules = getattr(gm, "modules", None)
+    if modules is None:
         return True
-    for node in graph.nodes:
-        if node.op == "call_function":
-            schema = _compat.op_schema(node.target)
-            name = schema.name if schema is not None else getattr(node.target, "__module__", "") or ""
-            if "c10d" in name or "distributed" in name:
+    for module in modules():
+        graph = getattr(module, "graph", None)
+        for node in graph.nodes if graph is not None else ():
+            if node.op == "call_function":
+                schema = _compat.op_schema(node.target)
+                name = schema.name if schema is not None else getattr(node.target, "__module__", "") or ""
+                if "c10d" in name or "distributed" in name:
+                    return True
+            elif node.op == "get_attr" and _compat.is_traceable_subclass(getattr(module, str(node.target), None)):
                 return True
-        elif node.op == "get_attr" and _compat.is_traceable_subclass(getattr(gm, str(node.target), None)):
-            return True
     return False
 
 
