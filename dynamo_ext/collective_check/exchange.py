@@ -104,15 +104,21 @@ def check_collectives(records: Sequence[Collective]) -> None:
     for c in records:
         if c.group and len(c.ranks) > 1 and rank in c.ranks:
             groups.setdefault(c.group, c.ranks)
-    if rank is None or not groups or any(_compat.group_is_fake(g) for g in groups):
+    if rank is None or not groups:
+        log.debug("collective check: no group with another rank in this graph, nothing to agree")
+        return
+    if any(_compat.group_is_fake(g) for g in groups):
+        log.debug("collective check skipped: fake process group (one process, no peer to meet)")
         return
     store = _compat.default_store()
     if store is None:
+        log.debug("collective check skipped: no default store")
         return
     state = _current_state(store)
     payload = json.dumps([c.to_json() for c in records])
     own = _digest(json.dumps([c.to_json()[:-1] for c in records]))  # without source lines
     if own in state.agreed:
+        log.debug("collective check: these %d collectives were agreed before, no meeting", len(records))
         return
     meetings = {}
     for group, ranks in sorted(groups.items()):

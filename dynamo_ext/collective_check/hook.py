@@ -119,6 +119,7 @@ def _checked(original: Callable[..., Any]) -> Callable[..., Any]:
         if rest or not config.collective_check or not _compat.distributed_initialized():
             return original(mod, args, *rest, **kwargs)
         if not _may_have_collectives(mod, args):
+            log.debug("collective check: no collective or tensor subclass in the graph, not fingerprinted")
             return original(mod, args, **kwargs)
         capture = _Capture()
         kwargs["partition_fn"] = _wrap_partition(kwargs.get("partition_fn") or _compat.default_partition(), capture)

@@ -24,11 +24,15 @@ rank agrees on: the collective sequence (op, group, reduce op, shapes, dtypes,
 order: what the collective check compares across ranks, NOTE [collective
 fingerprint]) and the data flow between collectives.  Plain compute that reads
 a result, whatever the rank does with it, never splits a bucket; it moves after
-the merged collective.  What remains rank-dependent is only a program whose
-data flow between its collectives differs per rank (rank 0 feeds a reduced
-result into the next collective, rank 1 does not): its collectives still agree
-on op, shape and order, but nothing short of asking the other ranks could make
-the buckets agree, and such a program is left to the collective check.
+the merged collective.  What remains rank-dependent is a program whose data
+flow between its collectives differs per rank (rank 0 feeds a reduced result
+into the next collective, rank 1 does not), or where a node that cannot move (a
+mutation, a random op) reads a result early on some ranks only: the collectives
+still agree on op, shape and order (the collective check, which compares the
+graphs before this pass, passes them), but nothing short of asking the other
+ranks could make the buckets agree.  Such programs are not bucketed
+consistently; ``options.bucket_all_reduces = False`` (and
+``bucket_all_gathers_reduce_scatters``) is the way out.
 
 The merged all-reduce reads one flat buffer built by ``cat`` of the flattened
 inputs, which Inductor lowers to a single pack kernel with the inputs' pointwise
