@@ -72,6 +72,27 @@ def _parser() -> argparse.ArgumentParser:
         help="numerics tolerance (with --atol; default: torch.testing.assert_close's per dtype)",
     )
     p.add_argument("--atol", type=float, default=None, help="numerics tolerance (with --rtol)")
+    p.add_argument(
+        "--comm-budget",
+        type=int,
+        default=None,
+        metavar="BYTES",
+        help="exit 1 when a rank sends more than BYTES per step in the compiled graphs' collectives",
+    )
+    p.add_argument(
+        "--intra-node-bw",
+        type=float,
+        default=None,
+        metavar="GBPS",
+        help="intra-node bandwidth (GB/s) for the collectives' time estimates (default: comm_analysis's)",
+    )
+    p.add_argument(
+        "--inter-node-bw",
+        type=float,
+        default=None,
+        metavar="GBPS",
+        help="inter-node bandwidth (GB/s) for the collectives' time estimates (default: comm_analysis's)",
+    )
     p.add_argument("--baseline", metavar="FILE", help="exit 1 on a graph break that this earlier --json report lacks")
     p.add_argument(
         "--timeout", type=float, default=300.0, metavar="S", help="kill the ranks after S seconds (default 300)"
@@ -149,6 +170,17 @@ def _audit(argv: list[str]) -> int:
             baseline = load_report(args.baseline)
         except (OSError, ValueError) as e:
             return fail(f"cannot read --baseline {args.baseline}: {e}")
+    if args.comm_budget is not None and args.comm_budget < 0:
+        return fail(f"--comm-budget must be a number of bytes >= 0, got {args.comm_budget}")
+    for flag, bw in (("--intra-node-bw", args.intra_node_bw), ("--inter-node-bw", args.inter_node_bw)):
+        if bw is not None and not bw > 0:
+            return fail(f"{flag} must be a positive bandwidth in GB/s, got {bw:g}")
+    from .comm import INTER_BW_ENV, INTRA_BW_ENV
+
+    # Read by each rank's communication report (the ranks inherit the environment).
+    for env, bw in ((INTRA_BW_ENV, args.intra_node_bw), (INTER_BW_ENV, args.inter_node_bw)):
+        if bw is not None:
+            os.environ[env] = repr(bw)
     why = _validate_target(target)
     if why:
         return fail(why)
@@ -198,6 +230,7 @@ def _audit(argv: list[str]) -> int:
         max_recompiles=args.max_recompiles,
         baseline=baseline,
         max_hang_risks=args.max_hang_risks,
+        max_comm_bytes=args.comm_budget,
     )
     for p in problems:
         err.print(f"dynamo-ext audit: gate: {p}", markup=False, soft_wrap=True)

@@ -1,0 +1,115 @@
+"""The communication report (tier 1, fake process group): collectives of compiled graphs with bytes, mesh axis,
+user line, placements; the ring-traffic model; the --comm-budget gate; the JSON round trip.
+
+The bundled example's report (every collective of its forward and compiled-autograd graphs, counts equal to
+eager ``CommDebugMode``'s) is checked in tests/test_audit_example.py, on the audit's one 4-rank launch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+from helpers import fake_world
+
+from dynamo_ext.audit import audit, gate, report_from_json
+from dynamo_ext.audit.comm import _common_path, traffic_bytes, user_frame
+from dynamo_ext.audit.comm_merge import eager_kind
+from dynamo_ext.audit.comm_render import human_bytes
+
+
+def test_ring_traffic_per_rank():
+    assert traffic_bytes("all_gather", 100, 4) == (300, 300)
+    assert traffic_bytes("reduce_scatter", 400, 4) == (300, 300)
+    assert traffic_bytes("all_reduce", 400, 4) == (600, 600)
+    assert traffic_bytes("all_to_all", 400, 4) == (300, 300)
+    assert traffic_bytes("all_reduce", 400, 1) == (0, 0)
+
+
+def test_user_frame_skips_torch_and_plugin_frames():
+    import os
+
+    import dynamo_ext
+
+    plugin = os.path.join(os.path.dirname(dynamo_ext.__file__), "variables", "fsdp.py")
+    tp = os.path.join(os.path.dirname(torch.__file__), "distributed", "tensor", "parallel", "style.py")
+    st = (
+        f'  File "/home/u/train.py", line 7, in forward\n    y = self.wo(x)\n'
+        f'  File "{tp}", line 300, in _prepare_output_fn\n    outputs = outputs.redistribute()\n'
+    )
+    assert user_frame(st) == ("/home/u/train.py", 7, "forward", "y = self.wo(x)")
+    only_plugin = f'  File "{plugin}", line 147, in pre_forward\n    x = 1\n'
+    assert user_frame(only_plugin)[:2] == (plugin, 147)
+    assert user_frame("") is None
+
+
+def test_common_module_path_and_eager_kinds():
+    assert _common_path("layers.0.attention.wq", "layers.1.attention.wq") == "layers.*.attention.wq"
+    assert _common_path("layers.0", "layers.0") == "layers.0"
+    assert eager_kind("c10d._allgather_base_") == "all_gather"
+    assert eager_kind("c10d_functional.all_reduce") == "all_reduce"
+    assert eager_kind("c10d._reduce_scatter_base_") == "reduce_scatter"
+    assert human_bytes(1536) == "1.5 KiB"
+
+
+def _step(x):
+    from torch.distributed.tensor import Replicate
+
+    y = x * 2
+    z = y.redistribute(x.device_mesh, [Replicate()])  # the line the report names
+    return (z.to_local() + 1).sum()
+
+
+def test_compiled_redistribute_reported_with_axis_bytes_line_and_placements():
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    with fake_world(4):
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        x = DTensor.from_local(torch.randn(8, 16), mesh["tp"], [Shard(0)], run_check=False)
+        report = audit(_step, x, backend="aot_eager")
+    comm = report.comm
+    assert comm is not None
+    fwd = [c for c in comm.collectives if c.graph_kind == "forward"]
+    assert [c.op for c in fwd] == ["all_gather_into_tensor"], fwd
+    c = fwd[0]
+    assert (c.mesh_axis, c.group_size, c.kind) == ("tp", 2, "all_gather")
+    assert (c.bytes_in, c.bytes_out, c.sent, c.received) == (8 * 16 * 4, 2 * 8 * 16 * 4, 8 * 16 * 4, 8 * 16 * 4)
+    assert c.file.endswith("test_audit_comm.py") and c.source.startswith("z = y.redistribute("), c
+    assert c.origin == "dtensor" and c.placements_basis == "graph", c
+    assert (c.placements_before, c.placements_after) == ("(S(0))", "(R)")
+    assert c.alternative and c.alternative_basis == "heuristic"
+    assert c.est_ms is not None and c.est_ms > 0
+    assert c.overlap_ops == 0  # the wait follows at once in an aot_eager graph
+    assert comm.bytes_per_step == c.sent
+    assert ("forward", "all_gather", 1) in comm.counts
+    # the gate, and the JSON round trip
+    assert gate(report, max_comm_bytes=c.sent) == []
+    assert gate(report, max_comm_bytes=c.sent - 1) == [
+        f"{c.sent} bytes sent per rank per step by collectives, budget --comm-budget {c.sent - 1}"
+    ]
+    back = report_from_json(json.loads(json.dumps(report.to_json())))
+    assert back.comm == comm
+    assert report.to_json()["totals"]["comm_bytes_per_step"] == c.sent
+    text = str(report)
+    assert "Communication" in text and "all_gather" in text and "tp(2)" in text
+    assert "test_audit_comm.py:" in text and "(S(0))->(R)" in text
+
+
+def test_report_without_comm_reads_back_and_passes_a_budget():
+    from dynamo_ext.audit.records import AuditReport
+
+    r = AuditReport("t", 1, "", "", {}, (), (), (), ())
+    assert gate(r, max_comm_bytes=0) == []
+    assert report_from_json(r.to_json()).comm is None
+    assert dataclasses.replace(r).comm is None
+
+
+@pytest.mark.parametrize("bad", ["-1"])
+def test_cli_rejects_a_negative_budget(bad, capsys):
+    from dynamo_ext.audit.cli import main
+
+    assert main(["audit", "--comm-budget", bad, "x:y"]) == 2
+    assert "--comm-budget must be a number of bytes >= 0, got -1" in capsys.readouterr().err
