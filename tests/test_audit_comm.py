@@ -96,6 +96,37 @@ def test_compiled_redistribute_reported_with_axis_bytes_line_and_placements():
     text = str(report)
     assert "Communication" in text and "all_gather" in text and "tp(2)" in text
     assert "test_audit_comm.py:" in text and "(S(0))->(R)" in text
+    from dynamo_ext.audit.html import render_html
+
+    page = render_html(report)
+    assert page.count("<table id='comm'>") == 1 and "z = y.redistribute(" in page
+
+
+def test_a_graph_the_analysis_fails_on_makes_the_report_incomplete_not_an_error(monkeypatch):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    from dynamo_ext.audit.comm import CommTracer
+
+    real = CommTracer.analyse
+
+    def broken(self, gm, **kw):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(CommTracer, "analyse", broken)
+    with fake_world(4):
+        mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("tp",))
+        x = DTensor.from_local(torch.randn(8, 16), mesh, [Shard(0)], run_check=False)
+        report = audit(_step, x, backend="aot_eager")
+    monkeypatch.setattr(CommTracer, "analyse", real)
+    assert report.errors == ()
+    assert report.comm.missing == ("rank 0: aot_inference_graph: analysis failed: RuntimeError: boom",)
+    assert report.comm.collectives == ()
+    assert gate(report, max_comm_bytes=10**9) == [
+        "--comm-budget 1000000000 cannot be checked: the communication report is incomplete "
+        "(rank 0: aot_inference_graph: analysis failed: RuntimeError: boom)"
+    ]
+    assert "INCOMPLETE communication report" in str(report)
 
 
 def test_report_without_comm_reads_back_and_passes_a_budget():

@@ -119,5 +119,15 @@ def audit(
                 ranks=(rank,),
                 mismatches=tuple(dataclasses.replace(m, rank=rank) for m in report.numerics.mismatches),
             ),
+            comm=None
+            if report.comm is None
+            else dataclasses.replace(
+                report.comm,
+                bytes_by_rank=tuple((rank, n) for _, n in report.comm.bytes_by_rank),
+                collectives=tuple(
+                    dataclasses.replace(c, ranks=(rank,), sent_by_rank=tuple((rank, n) for _, n in c.sent_by_rank))
+                    for c in report.comm.collectives
+                ),
+            ),
         )
     return report

@@ -211,21 +211,37 @@ class Collector(logging.Handler):
                 self._on_break(md, getattr(record, "payload", "") or "")
             elif name == "dynamo_output_graph":
                 self._graphs.setdefault(_compile_key(md), {})["dynamo"] = getattr(record, "payload", "") or ""
-                self._on_graph_module(name, md)
+                self._on_graph_module(name, md, "")
             elif name in ("aot_forward_graph", "aot_inference_graph", "aot_backward_graph"):
                 side = "backward" if name == "aot_backward_graph" else "forward"
                 self._graphs.setdefault(_compile_key(md), {})[side] = getattr(record, "payload", "") or ""
-                self._on_graph_module(name, md)
+                self._on_graph_module(name, md, getattr(record, "payload", "") or "")
             elif name == "compilation_metrics":
                 self._on_metrics(md["compilation_metrics"])
         except Exception as e:  # never break the user's compile
             self.record({"ev": "internal", "message": f"audit collector failed on {name}: {type(e).__name__}: {e}"})
 
     # ---- events ---------------------------------------------------------------
-    def _on_graph_module(self, name: str, md: dict[str, Any]) -> None:
-        """The communication report's hook (NOTE [communication report] in :mod:`.comm`)."""
+    def _on_graph_module(self, name: str, md: dict[str, Any], text: str) -> None:
+        """The communication report's hook (NOTE [communication report] in :mod:`.comm`).
+
+        A failure of the analysis is a ``comm_graph`` event with ``missing`` set
+        (the report says it is incomplete), not an audit error.
+        """
         gm, aot_id = _compat.graph_module_being_logged(name)
-        event = self.comm.on_graph(name, _compile_key(md), gm, aot_id)
+        try:
+            event = self.comm.on_graph(name, _compile_key(md), gm, aot_id, text)
+        except Exception as e:
+            logging.getLogger(__name__).warning("communication report: %s not analysed", name, exc_info=True)
+            event = {
+                "ev": "comm_graph",
+                "compile_id": _compile_key(md),
+                "graph": name,
+                "aot_id": aot_id,
+                "inlined_aot_ids": [],
+                "collectives": [],
+                "missing": f"{name}: analysis failed: {type(e).__name__}: {e}",
+            }
         if event is not None:
             self.record(event)
 

@@ -57,6 +57,7 @@ log = logging.getLogger(__name__)
 _PKG_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 _FRAME = re.compile(r'^\s*File "([^"]+)", line (\d+), in (\S+)\n(.*)$', re.M)
 _INLINED = re.compile(r"^aot(\d+)_")
+_TEXT_COLLECTIVE = re.compile(r"_c10d_functional\.(?!wait_tensor)\w+")
 _ROOT_KEY = re.compile(r"^L\['[^']*'\]\.?")
 
 # Functional collective (op name without overload) -> traffic kind.
@@ -242,9 +243,26 @@ class CommTracer:
         self._dtensor_stacks: set[str] = set()
         self._aot_backward: dict[int, dict[str, torch.fx.Node]] = {}
 
-    def on_graph(self, trace_name: str, compile_key: str, gm: Any, aot_id: int | None) -> dict[str, Any] | None:
-        """Remember a Dynamo graph, or analyse an AOT graph into a ``comm_graph`` event."""
+    def on_graph(
+        self, trace_name: str, compile_key: str, gm: Any, aot_id: int | None, text: str = ""
+    ) -> dict[str, Any] | None:
+        """Remember a Dynamo graph, or analyse an AOT graph into a ``comm_graph`` event.
+
+        An AOT graph logged without its ``GraphModule`` (a cache hit logs only
+        text) whose text ``text`` names collectives gives an event with
+        ``missing`` set: the report says it is incomplete.
+        """
         if not isinstance(gm, torch.fx.GraphModule):
+            if trace_name != "dynamo_output_graph" and _TEXT_COLLECTIVE.search(text):
+                return {
+                    "ev": "comm_graph",
+                    "compile_id": compile_key,
+                    "graph": _graph_kind(trace_name, compile_key),
+                    "aot_id": aot_id,
+                    "inlined_aot_ids": [],
+                    "collectives": [],
+                    "missing": f"{trace_name} logged without its graph (a cache hit?): its collectives are not analysed",
+                }
             return None
         if trace_name == "dynamo_output_graph":
             self._learn(gm)
@@ -253,7 +271,7 @@ class CommTracer:
         if trace_name == "aot_backward_graph" and aot_id is not None:
             self._aot_backward[aot_id] = {n.name: n for n in gm.graph.nodes}
         ca = compile_key.startswith("!")
-        graph = "compiled_autograd" if ca else ("backward" if trace_name == "aot_backward_graph" else "forward")
+        graph = _graph_kind(trace_name, compile_key)
         dynamo_gm = self._dynamo.get(compile_key)
         colls = self.analyse(gm, phase="backward" if graph != "forward" else "forward", dynamo_gm=dynamo_gm)
         inlined = sorted(
@@ -369,6 +387,12 @@ class CommTracer:
                 }
             )
         return out
+
+
+def _graph_kind(trace_name: str, compile_key: str) -> str:
+    if compile_key.startswith("!"):
+        return "compiled_autograd"
+    return "backward" if trace_name == "aot_backward_graph" else "forward"
 
 
 def _common_path(a: str, b: str) -> str:

@@ -105,6 +105,12 @@ def merge_comm(events_by_rank: dict[int, list[dict[str, Any]]], ref: set[int], g
     """
     if not any(e["ev"] == "comm_graph" for evs in events_by_rank.values() for e in evs):
         return None
+    missing = tuple(
+        f"rank {r}: {e['missing']}"
+        for r, evs in sorted(events_by_rank.items())
+        for e in evs
+        if e["ev"] == "comm_graph" and e.get("missing")
+    )
     rows: dict[tuple[str, str, int], dict[str, Any]] = {}
     order: list[tuple[str, str, int]] = []
     per_rank_sent: dict[int, int] = defaultdict(int)
@@ -191,6 +197,7 @@ def merge_comm(events_by_rank: dict[int, list[dict[str, Any]]], ref: set[int], g
         est_ms_per_step=round(sum(c.est_ms or 0.0 for c in colls if not c.inlined), 6),
         counts=tuple((ph, k, n) for (ph, k), n in sorted(like.items())),
         eager_counts=eager,
+        missing=missing,
     )
 
 

@@ -55,7 +55,7 @@ def _why(c: Collective, alts: dict[str, int] | None = None) -> str:
     return out
 
 
-_MIN_WIDTH = {"graph": 3, "n": 2, "op": 14, "axis": 6, "sent": 9, "est us": 6, "ovl": 3, "origin": 14}
+_MIN_WIDTH = {"graph": 5, "n": 2, "op": 14, "axis": 6, "sent": 9, "est us": 6, "ovl": 3, "origin": 14}
 _MAX_WIDTH = {"line": 22, "module": 16, "origin": 18}
 
 
@@ -131,7 +131,12 @@ def comm_renderables(comm: Comm) -> Group:
     notes = Text(
         "\n".join(f"[a{i}] alternative (heuristic, not verified by sharding propagation): {a}" for a, i in alts.items())
     )
-    return Group(t, notes, m, foot) if alts else Group(t, m, foot)
+    parts = [t, notes, m, foot] if alts else [t, m, foot]
+    if comm.missing:
+        parts.append(
+            Text("INCOMPLETE communication report:\n" + "\n".join(f"  {x}" for x in comm.missing), style="bold red")
+        )
+    return Group(*parts)
 
 
 def comm_html(comm: Comm) -> str:
@@ -152,8 +157,9 @@ def comm_html(comm: Comm) -> str:
         f"<td class='num'>{x.sent}</td><td class='num'>{x.est_ms * 1000:.1f}</td></tr>"
         for x in comm.modules
     )
+    missing = "".join(f"<p class='bad'>incomplete: {escape(x)}</p>" for x in comm.missing)
     return (
-        f"<h2>Communication</h2><p id='comm-totals'>Per step (each compiled graph once): <b>{comm.bytes_per_step}</b> "
+        f"<h2>Communication</h2>{missing}<p id='comm-totals'>Per step (each compiled graph once): <b>{comm.bytes_per_step}</b> "
         f"bytes sent per rank (worst rank), estimated <b>{comm.est_ms_per_step * 1000:.1f} us</b> "
         f"(torch._inductor.comm_analysis).</p><p class='{'bad' if ok is False else 'ok'}'>{escape(line)}</p>"
         "<table id='comm'><thead><tr><th>graph</th><th>graph id</th><th>#</th><th>op</th><th>mesh axis</th>"

@@ -51,7 +51,8 @@ def gate(
     and the eager step (:attr:`AuditReport.numerics`, when checked) fails it; more than ``max_hang_risks`` graphs whose
     collective sequences differ across ranks (:attr:`AuditReport.hang_risks`)
     fail it too (``None``: not checked).  ``max_comm_bytes``: bytes a rank may send per step in the
-    compiled graphs' collectives (:attr:`.records.Comm.bytes_per_step`; no communication report: 0 bytes).
+    compiled graphs' collectives (:attr:`.records.Comm.bytes_per_step`; no communication report: 0 bytes;
+    an incomplete one, :attr:`.records.Comm.missing`, fails it).
     """
     problems = []
     if report.numerics is not None and report.numerics.mismatches:
@@ -70,6 +71,11 @@ def gate(
     sent = report.comm.bytes_per_step if report.comm is not None else 0
     if max_comm_bytes is not None and sent > max_comm_bytes:
         problems.append(f"{sent} bytes sent per rank per step by collectives, budget --comm-budget {max_comm_bytes}")
+    elif max_comm_bytes is not None and report.comm is not None and report.comm.missing:
+        problems.append(
+            f"--comm-budget {max_comm_bytes} cannot be checked: the communication report is incomplete "
+            f"({report.comm.missing[0]})"
+        )
     if baseline is not None:
         for b in diff_reports(baseline, report).new:
             problems.append(f"new graph break not in the baseline: {b.id}")

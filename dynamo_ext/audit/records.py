@@ -287,7 +287,9 @@ class Comm:
     (phase, kind), FSDP2's per-parameter collectives counted once per FSDP
     group and phase as eager FSDP2 issues them (the like-with-like count);
     ``eager_counts``: ``CommDebugMode``'s counts of the eager step, mapped to
-    the same kinds (``None``: the numerics check did not run).
+    the same kinds (``None``: the numerics check did not run).  ``missing``: graphs
+    with collectives that were not analysed (the report and its totals are
+    incomplete; ``--comm-budget`` then fails).
     """
 
     collectives: tuple[Collective, ...]
@@ -297,6 +299,7 @@ class Comm:
     est_ms_per_step: float
     counts: tuple[tuple[str, str, int], ...]
     eager_counts: tuple[tuple[str, str, int], ...] | None = None
+    missing: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -510,6 +513,7 @@ def _comm_from_json(c: dict[str, Any] | None) -> Comm | None:
         est_ms_per_step=float(c["est_ms_per_step"]),
         counts=triples(c["counts"]),
         eager_counts=None if c.get("eager_counts") is None else triples(c["eager_counts"]),
+        missing=tuple(c.get("missing", ())),
     )
 
 
