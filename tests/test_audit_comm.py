@@ -144,3 +144,58 @@ def test_cli_rejects_a_negative_budget(bad, capsys):
 
     assert main(["audit", "--comm-budget", bad, "x:y"]) == 2
     assert "--comm-budget must be a number of bytes >= 0, got -1" in capsys.readouterr().err
+
+
+def _explicit(x):
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+
+    y = funcol.all_reduce(x, "sum", dist.group.WORLD)
+    z = x * 3 + 1  # independent of y: runs before y's wait
+    b = funcol.broadcast(z, 0, dist.group.WORLD)
+    return y + b
+
+
+def test_explicit_collectives_bytes_overlap_and_unmodelled_time(monkeypatch):
+    from dynamo_ext.audit.comm import INTRA_BW_ENV
+
+    x = torch.randn(4, 8)
+    with fake_world(4):
+        report = audit(_explicit, x, backend="aot_eager")
+        monkeypatch.setenv(INTRA_BW_ENV, "0.001")  # GB/s, as --intra-node-bw: far slower than the default
+        slow = audit(_explicit, x, backend="aot_eager")
+    assert slow.comm.collectives[0].est_ms > report.comm.collectives[0].est_ms
+    colls = report.comm.collectives
+    assert [(c.op, c.origin, c.mesh_axis, c.group_size) for c in colls] == [
+        ("all_reduce", "explicit", "", 4),
+        ("broadcast", "explicit", "", 4),
+    ]
+    ar, bc = colls
+    assert (ar.bytes_in, ar.sent) == (128, 2 * 3 * 128 // 4)
+    assert ar.overlap_ops == 0  # Dynamo waits at once; only a scheduler (Inductor) moves the wait
+    assert ar.source.startswith("y = funcol.all_reduce(") and ar.est_ms > 0
+    assert bc.est_ms is None  # comm_analysis does not model broadcast
+    assert (bc.sent, bc.received) == (128, 128)
+    assert report.comm.bytes_per_step == ar.sent + bc.sent
+
+
+def test_overlap_counts_compute_between_a_collective_and_its_wait():
+    import torch.distributed as dist
+
+    from dynamo_ext.audit.comm import CommTracer
+
+    with fake_world(4):
+        group = dist.group.WORLD.group_name
+        g = torch.fx.Graph()
+        x = g.placeholder("x")
+        ar = g.call_function(torch.ops._c10d_functional.all_reduce.default, (x, "sum", group))
+        m = g.call_function(torch.ops.aten.mul.Tensor, (x, 3))
+        a = g.call_function(torch.ops.aten.add.Tensor, (m, 1))
+        w = g.call_function(torch.ops._c10d_functional.wait_tensor.default, (ar,))
+        g.output(g.call_function(torch.ops.aten.add.Tensor, (w, a)))
+        val = torch.empty(4, 8)
+        for n in (x, ar, m, a, w):
+            n.meta["val"] = val
+        (rec,) = CommTracer().analyse(torch.fx.GraphModule(torch.nn.Module(), g), phase="forward")
+    assert (rec["op"], rec["group_size"], rec["overlap_ops"]) == ("all_reduce", 4, 2)
+    assert (rec["file"], rec["origin"]) == ("", "unknown")  # no stack trace: said so, nothing made up

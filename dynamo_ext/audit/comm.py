@@ -13,10 +13,12 @@ record:
   read from the ``DeviceMesh`` of any DTensor the rank's Dynamo graphs hold;
 - bytes in and out (``meta["val"]``), and bytes each rank sends and receives
   under the ring algorithm (all-gather: ``(n-1)*in``; reduce-scatter and
-  all-to-all: ``(n-1)/n*in``; all-reduce: ``2(n-1)/n*in``; broadcast: ``in``);
+  all-to-all: ``(n-1)/n*in``; all-reduce: ``2(n-1)/n*in``; broadcast: ``in``;
+  point-to-point: the tensors sent and received);
 - the time ``torch._inductor.comm_analysis`` estimates for it on NCCL (its
   analytical model; bandwidths from ``DYNAMO_EXT_AUDIT_INTRA_NODE_BW`` /
-  ``DYNAMO_EXT_AUDIT_INTER_NODE_BW`` in GB/s, else its defaults);
+  ``DYNAMO_EXT_AUDIT_INTER_NODE_BW`` in GB/s, else its defaults; ``None`` for
+  what it does not model, such as broadcast);
 - ``overlap_ops``: compute ops between the collective and its ``wait_tensor``
   in graph order (0: nothing can overlap it);
 - the user line (the deepest frame of ``meta["stack_trace"]`` outside torch and
@@ -72,6 +74,9 @@ TRAFFIC = {
     "all_reduce_coalesced": "all_reduce",
     "all_to_all_single": "all_to_all",
     "broadcast": "broadcast",
+    "isend": "p2p",
+    "irecv": "p2p",
+    "batch_p2p_ops": "p2p",
 }
 INTRA_BW_ENV = "DYNAMO_EXT_AUDIT_INTRA_NODE_BW"
 INTER_BW_ENV = "DYNAMO_EXT_AUDIT_INTER_NODE_BW"
@@ -136,10 +141,23 @@ def _node_val(n: Any) -> Any:
 
 
 def _group_name(node: torch.fx.Node) -> str:
-    """The ``group_name`` argument: every functional collective takes it last (after ``reduce_op`` strings)."""
-    if isinstance(node.kwargs.get("group_name"), str):
-        return node.kwargs["group_name"]
-    return next((a for a in reversed(node.args) if isinstance(a, str)), "")
+    """The ``group_name`` argument (a name, or a process-group object): every functional collective takes it last."""
+    arg = node.kwargs.get("group_name", node.args[-1] if node.args else None)
+    if isinstance(arg, str):
+        return arg
+    return str(getattr(arg, "group_name", "") or "")
+
+
+def p2p_bytes(node: torch.fx.Node) -> tuple[int, int]:
+    """(sent, received) bytes of a point-to-point op: ``isend``, ``irecv``, ``batch_p2p_ops`` (by its op list)."""
+    name = collective_name(node)
+    if name == "isend":
+        return _bytes(_node_val(node.args[0])), 0
+    if name == "irecv":
+        return 0, _bytes(node.meta.get("val"))
+    ops, tensors = node.args[0], node.args[3]
+    sent = sum(_bytes(_node_val(t)) for op, t in zip(ops, tensors) if "send" in str(op))
+    return sent, sum(_bytes(_node_val(t)) for op, t in zip(ops, tensors) if "recv" in str(op))
 
 
 def _internal(path: str) -> bool:
@@ -337,7 +355,12 @@ class CommTracer:
             size, ranks = _compat.process_group_info(group)
             val_in = _node_val(n.args[0]) if n.args else None
             bytes_in, bytes_out = _bytes(val_in), _bytes(n.meta.get("val"))
-            sent, received = traffic_bytes(kind, bytes_in, size)
+            sent, received = p2p_bytes(n) if kind == "p2p" else traffic_bytes(kind, bytes_in, size)
+            est = _compat.estimate_collective_ms(
+                n, intra_bw=_env_float(INTRA_BW_ENV), inter_bw=_env_float(INTER_BW_ENV)
+            )
+            if est == 0 and size > 1 and bytes_in + bytes_out > 0:
+                est = None  # comm_analysis does not model this kind (it returns 0)
             st = meta_node.meta.get("stack_trace") or ""
             frame = user_frame(st)
             who = origin(st) if st else "unknown"
@@ -369,9 +392,7 @@ class CommTracer:
                     "bytes_out": bytes_out,
                     "sent": sent,
                     "received": received,
-                    "est_ms": _compat.estimate_collective_ms(
-                        n, intra_bw=_env_float(INTRA_BW_ENV), inter_bw=_env_float(INTER_BW_ENV)
-                    ),
+                    "est_ms": est,
                     "overlap_ops": _overlap_ops(n, nodes, position),
                     "file": normalize_path(frame[0], root=self.root) if frame else "",
                     "line": frame[1] if frame else 0,
