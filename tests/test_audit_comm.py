@@ -95,7 +95,7 @@ def test_compiled_redistribute_reported_with_axis_bytes_line_and_placements():
     assert report.to_json()["totals"]["comm_bytes_per_step"] == c.sent
     text = str(report)
     assert "Communication" in text and "all_gather" in text and "tp(2)" in text
-    assert "test_audit_comm.py:" in text and "(S(0))->(R)" in text
+    assert "test_audit_comm.py:" in text and "[a1] S(0)->R" in text
     from dynamo_ext.audit.html import render_html
 
     page = render_html(report)
@@ -199,3 +199,67 @@ def test_overlap_counts_compute_between_a_collective_and_its_wait():
         (rec,) = CommTracer().analyse(torch.fx.GraphModule(torch.nn.Module(), g), phase="forward")
     assert (rec["op"], rec["group_size"], rec["overlap_ops"]) == ("all_reduce", 4, 2)
     assert (rec["file"], rec["origin"]) == ("", "unknown")  # no stack trace: said so, nothing made up
+
+
+def _coll(index, op, kind, origin="fsdp", module="layers.0", sent=100):
+    return {
+        "index": index, "node": f"n{index}", "op": op, "kind": kind, "group": "1", "group_size": 2,
+        "group_ranks": [0, 2], "mesh_axis": "dp", "dtype": "float32", "shape_in": [4], "shape_out": [8],
+        "bytes_in": sent, "bytes_out": 2 * sent, "sent": sent, "received": sent, "est_ms": 0.01,
+        "overlap_ops": 0, "file": "train.py", "line": 3, "function": "f", "source": "y = m(x)",
+        "module": module, "origin": origin, "placements_before": "", "placements_after": "",
+        "placements_basis": "", "alternative": "", "alternative_basis": "",
+    }  # fmt: skip
+
+
+def test_merge_counts_fsdp_per_group_and_leaves_inlined_backward_out():
+    from dynamo_ext.audit.merge import merge
+
+    def compile_ev(cid):
+        return {
+            "ev": "compile", "compile_id": cid, "function": "f", "code_name": "f", "file": "train.py", "line": 1,
+            "op_count": 9, "has_graph": True, "collectives": {}, "backward_collectives": {},
+            "collective_sequence": [], "backward_collective_sequence": [], "time_s": 0.1,
+            "recompile_reason": None, "fail_type": None, "fail_reason": None, "phase": "forward",
+        }  # fmt: skip
+
+    def events(rank):
+        ag = [_coll(i, "all_gather_into_tensor", "all_gather") for i in range(3)]  # one FSDP group, 3 params
+        tp = _coll(3, "all_reduce", "all_reduce", origin="dtensor", module="layers.0.wo")
+        rs = [_coll(i, "reduce_scatter_tensor", "reduce_scatter", sent=50 + rank) for i in range(2)]
+        return [
+            compile_ev("0/0"),
+            {"ev": "comm_graph", "compile_id": "0/0", "graph": "forward", "aot_id": 0, "inlined_aot_ids": [],
+             "collectives": [*ag, tp]},
+            {"ev": "comm_graph", "compile_id": "0/0", "graph": "backward", "aot_id": 0, "inlined_aot_ids": [],
+             "collectives": rs},
+            {"ev": "comm_graph", "compile_id": "!0/0/0", "graph": "compiled_autograd", "aot_id": 1,
+             "inlined_aot_ids": [0], "collectives": rs},
+            {"ev": "end", "counters": {}},
+            {"ev": "numerics", "compared": 1, "mismatches": [],
+             "eager_comm": {"forward": {"all_gather": 1, "all_reduce": 1}, "backward": {"reduce_scatter": 1}}},
+        ]  # fmt: skip
+
+    report = merge({0: events(0), 1: events(1)}, target="t", world_size=2, backend="")
+    comm = report.comm
+    assert (
+        comm.counts
+        == comm.eager_counts
+        == (
+            ("backward", "reduce_scatter", 1),
+            ("forward", "all_gather", 1),
+            ("forward", "all_reduce", 1),
+        )
+    )
+    inlined = [c for c in comm.collectives if c.inlined]
+    assert [c.graph_kind for c in inlined] == ["backward", "backward"]
+    ca = [c for c in comm.collectives if c.graph_kind == "compiled_autograd"]
+    assert [c.sent_by_rank for c in ca] == [((0, 50), (1, 51))] * 2 and ca[0].sent == 51 and ca[0].ranks == (0, 1)
+    # per rank: 3 all-gathers + 1 all-reduce of 100 bytes, 2 reduce-scatters of 50 + rank; inlined ones not counted
+    assert comm.bytes_by_rank == ((0, 400 + 100), (1, 400 + 102)) and comm.bytes_per_step == 502
+    assert {(m.module, m.phase, m.count) for m in comm.modules} == {
+        ("layers.0", "forward", 3),
+        ("layers.0.wo", "forward", 1),
+        ("layers.0", "backward", 2),
+    }
+    assert comm.missing == ()

@@ -284,7 +284,8 @@ class CommTracer:
             return None
         if trace_name == "dynamo_output_graph":
             self._learn(gm)
-            self._dynamo[compile_key] = gm
+            # Compiles are sequential: a frame's AOT graphs follow its Dynamo graph; keep only the latest.
+            self._dynamo = {compile_key: gm}
             return None
         if trace_name == "aot_backward_graph" and aot_id is not None:
             self._aot_backward[aot_id] = {n.name: n for n in gm.graph.nodes}

@@ -111,6 +111,7 @@ def merge_comm(events_by_rank: dict[int, list[dict[str, Any]]], ref: set[int], g
         for e in evs
         if e["ev"] == "comm_graph" and e.get("missing")
     )
+    unknown: list[str] = []
     rows: dict[tuple[str, str, int], dict[str, Any]] = {}
     order: list[tuple[str, str, int]] = []
     per_rank_sent: dict[int, int] = defaultdict(int)
@@ -122,6 +123,8 @@ def merge_comm(events_by_rank: dict[int, list[dict[str, Any]]], ref: set[int], g
         for g in graphs:
             gid = ids.get(g["compile_id"], g["compile_id"])
             inlined = g["graph"] == "backward" and g.get("aot_id") in inlined_ids
+            if g["graph"] == "backward" and g.get("aot_id") is None and inlined_ids and g["collectives"]:
+                unknown.append(f"rank {rank}: {gid}: AOT backward graph without an aot_id: inlined or not is unknown")
             base = seen[(gid, g["graph"])]  # a graph compiled twice with one identity: rows follow on
             seen[(gid, g["graph"])] += len(g["collectives"])
             for c in g["collectives"]:
@@ -197,7 +200,7 @@ def merge_comm(events_by_rank: dict[int, list[dict[str, Any]]], ref: set[int], g
         est_ms_per_step=round(sum(c.est_ms or 0.0 for c in colls if not c.inlined), 6),
         counts=tuple((ph, k, n) for (ph, k), n in sorted(like.items())),
         eager_counts=eager,
-        missing=missing,
+        missing=missing + tuple(unknown),
     )
 
 

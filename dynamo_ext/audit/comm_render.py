@@ -47,16 +47,22 @@ def _axis(c: Collective) -> str:
 def _why(c: Collective, alts: dict[str, int] | None = None) -> str:
     if c.origin != "dtensor":
         return c.origin
-    out = f"{c.placements_before}->{c.placements_after}"
+    out = f"{_one(c.placements_before)}->{_one(c.placements_after)}"
     if c.alternative and alts is not None:
-        out += f" [a{alts.setdefault(c.alternative, len(alts) + 1)}]"
+        out = f"[a{alts.setdefault(c.alternative, len(alts) + 1)}] {out}"
     elif c.alternative:
         out += f"; alternative ({c.alternative_basis}): {c.alternative}"
     return out
 
 
-_MIN_WIDTH = {"graph": 5, "n": 2, "op": 14, "axis": 6, "sent": 9, "est us": 6, "ovl": 3, "origin": 14}
-_MAX_WIDTH = {"line": 22, "module": 16, "origin": 18}
+_MIN_WIDTH = {"graph": 6, "op": 14, "axis": 5, "sent": 8, "est us": 6, "ovl": 3, "line": 20, "origin": 14}
+_MAX_WIDTH = {"line": 22, "module": 17, "origin": 19}
+
+
+def _one(placements: str) -> str:
+    """``(P(sum))`` -> ``P(sum)``: a 1-D mesh's placements without the tuple's parentheses."""
+    inner = placements[1:-1] if placements.startswith("(") and placements.endswith(")") else placements
+    return inner if inner and "," not in inner else placements
 
 
 def _short_op(op: str) -> str:
@@ -81,12 +87,12 @@ def comm_renderables(comm: Comm) -> Group:
     """Terminal tables: every collective (runs of identical ones as one row), totals per module, the step's totals."""
     t = Table(
         title="Communication: collectives of the compiled graphs in graph order (fwd/bwd: AOTAutograd's, ca: compiled "
-        "autograd's; n: identical consecutive ones; sent: bytes per rank; ovl: compute ops before its wait)",
+        "autograd's; xN: N identical consecutive ones; sent: bytes per rank; ovl: compute ops before its wait; source lines in the JSON and HTML)",
         box=box.SIMPLE_HEAVY,
         title_justify="left",
     )
-    right = ("n", "sent", "est us", "ovl")
-    for col in ("graph", "n", "op", "axis", "sent", "est us", "ovl", "line", "module", "origin"):
+    right = ("sent", "est us", "ovl")
+    for col in ("graph", "op", "axis", "sent", "est us", "ovl", "line", "module", "origin"):
         t.add_column(
             col,
             justify="right" if col in right else "left",
@@ -98,23 +104,24 @@ def comm_renderables(comm: Comm) -> Group:
     alts: dict[str, int] = {}
     for c, n in runs(comm):
         where = f"{c.file.rsplit('/', 1)[-1]}:{c.line}" if c.file else "-"
-        t.add_row(
-            {"compiled_autograd": "ca", "forward": "fwd", "backward": "bwd"}.get(c.graph_kind, c.graph_kind),
-            str(n),
+        cells = (
+            {"compiled_autograd": "ca", "forward": "fwd", "backward": "bwd"}.get(c.graph_kind, c.graph_kind)
+            + (f" x{n}" if n > 1 else ""),
             _short_op(c.op),
             _axis(c),
             human_bytes(c.sent),
             "-" if c.est_ms is None else f"{c.est_ms * 1000:.1f}",
             "-" if c.overlap_ops is None else str(c.overlap_ops),
-            f"{where} {c.source}",
+            where,
             c.module or "-",
             _why(c, alts),
         )
+        t.add_row(*(Text(x) for x in cells))  # Text: source lines and "[a1]" are not rich markup
     m = Table(title="Communication per module", box=box.SIMPLE_HEAVY, title_justify="left")
     for col in ("module", "phase", "collectives", "sent / rank", "est us"):
         m.add_column(col, justify="left" if col in ("module", "phase") else "right")
     for x in comm.modules:
-        m.add_row(x.module, x.phase, str(x.count), human_bytes(x.sent), f"{x.est_ms * 1000:.1f}")
+        m.add_row(*(Text(v) for v in (x.module, x.phase, str(x.count), human_bytes(x.sent), f"{x.est_ms * 1000:.1f}")))
     line, ok = counts_line(comm)
     inlined = sum(c.inlined for c in comm.collectives)
     foot = Text(
