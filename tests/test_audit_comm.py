@@ -48,6 +48,7 @@ def test_user_frame_skips_torch_and_plugin_frames():
 def test_common_module_path_and_eager_kinds():
     assert _common_path("layers.0.attention.wq", "layers.1.attention.wq") == "layers.*.attention.wq"
     assert _common_path("layers.0", "layers.0") == "layers.0"
+    assert _common_path("a.b.c", "a.x.c.d") == "a.*"
     assert eager_kind("c10d._allgather_base_") == "all_gather"
     assert eager_kind("c10d_functional.all_reduce") == "all_reduce"
     assert eager_kind("c10d._reduce_scatter_base_") == "reduce_scatter"

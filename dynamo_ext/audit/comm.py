@@ -423,7 +423,11 @@ def _common_path(a: str, b: str) -> str:
         return a
     pa, pb = a.split("."), b.split(".")
     if len(pa) != len(pb):
-        common = [x for x, y in zip(pa, pb) if x == y]
+        common = []
+        for x, y in zip(pa, pb):
+            if x != y:
+                break
+            common.append(x)
         return ".".join(common) + ".*" if common else "*"
     return ".".join(x if x == y else "*" for x, y in zip(pa, pb))
 
