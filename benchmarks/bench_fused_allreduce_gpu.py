@@ -1,6 +1,6 @@
 """GPU benchmark: fused one-shot all-reduce + residual add + RMSNorm vs stock Inductor.
 
-    python benchmarks/bench_fused_allreduce_gpu.py [--hidden 4096 8192] [--max-tokens 4096]
+    python benchmarks/bench_fused_allreduce_gpu.py [--hidden 4096 8192] [--max-tokens 4096] [--world 2 4]
     python benchmarks/bench_fused_allreduce_gpu.py --interpret-smoke   # no GPU: tiny shapes, CPU, Triton interpreter
 
 World size 1 (one GPU, an NCCL group of one rank), bf16, Llama-style epilogue
@@ -13,6 +13,14 @@ World size 1 (one GPU, an NCCL group of one rank), bf16, Llama-style epilogue
   for the group, so the lowering picks the one-shot kernel (the input is a graph input
   here, so Inductor first copies it into the comm buffer; in a real block the matmul
   writes there directly).
+
+Then, for each ``--world W`` > 1, the in-process harness (NOTE [in-process ranks] in
+``dynamo_ext/inductor_lowerings/kernels/harness.py``): W ranks as W streams on the one
+GPU, each with its own buffer and signal pad, the kernel ``ops.fused_all_reduce_algorithm``
+picks for the size (one-shot, two-shot, or none: then the row says "stock"), all W
+launched together and timed as one step.  Every rank's reads of its peers go to the
+same HBM, so this measures the kernels' barriers and their traffic on one device, not
+NVLink (benchmarks/README.md); stock has no W-rank equivalent in one process.
 
 Times are ``triton.testing.do_bench`` medians (µs).  GB/s counts the bytes the epilogue
 must move (every rank's input once, residual, both outputs, weight) and is compared
@@ -33,7 +41,6 @@ import sys
 import tempfile
 import time
 import types
-import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -95,11 +102,9 @@ def _setup(smoke: bool, tmp: str) -> tuple[str, str]:
     store = dist.FileStore(os.path.join(tmp, "store"), 1)
     dist.init_process_group("nccl", store=store, rank=0, world_size=1, device_id=torch.device("cuda", 0))
     group_name = dist.group.WORLD.group_name
-    import torch.distributed._symmetric_memory as symm_mem
+    from dynamo_ext.inductor_lowerings import _compat
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)  # deprecated on 2.13+, still how older releases enable it
-        symm_mem.enable_symm_mem_for_group(group_name)
+    _compat.ensure_symm_mem_for_group(group_name)  # this release's route (NOTE [symmetric memory route])
     return "cuda", group_name
 
 
@@ -119,11 +124,55 @@ def _peer_input(smoke: bool, tmp: str, tokens: int, hidden: int, dtype: Any, gro
     return x, PeerBuffers.from_symmetric_memory(x, group_name)
 
 
+def _harness_rows(timer: Timer, smoke: bool, shapes: list[Any], data: dict[Any, Any], worlds: list[int]) -> list[Any]:
+    """(world, hidden, tokens, kernel, µs per step, GB/s) per W > 1 and shape, from the in-process harness."""
+    import torch
+
+    from dynamo_ext.inductor_lowerings import ops
+    from dynamo_ext.inductor_lowerings.kernels import harness
+    from dynamo_ext.inductor_lowerings.kernels import two_shot_all_reduce_rms_norm as two_shot
+
+    if not worlds or (not smoke and not torch.cuda.is_available()):
+        return []
+    device = torch.device("cpu" if smoke else "cuda")
+    rows = []
+    for world in worlds:
+        if world < 2:
+            continue
+        for hidden, tokens in shapes:
+            x, res, w = data[(hidden, tokens)]
+            nbytes = x.numel() * x.element_size()
+            algorithm = ops.fused_all_reduce_algorithm(nbytes)
+            if algorithm is None:
+                rows.append((world, hidden, tokens, None, 0.0, 0.0))
+                continue
+            size = max(nbytes, two_shot.staging_nbytes(tuple(x.shape), x.dtype, x.dtype)) + 256
+            ranks = harness.InProcessRanks(world, size, device, max_blocks=8)
+            xs = [ranks.input(r, tuple(x.shape), x.dtype) for r in range(world)]
+            for xr in xs:
+                xr.copy_(x)
+            casts = {"upcast": torch.float32, "mid_dtype": x.dtype}
+            got = ranks.launch(algorithm, xs, res, w, eps=1e-6, **casts)[0][1]
+            want = harness.reference_same_order([x] * world, res, w, eps=1e-6, **casts)[1]
+            torch.testing.assert_close(got.cpu(), want, rtol=2**-7, atol=2**-7)
+            us = timer.us(
+                lambda ranks=ranks, a=algorithm, xs=xs, res=res, w=w, c=casts: ranks.launch(
+                    a, xs, res, w, eps=1e-6, **c
+                )
+            )
+            moved = world * (
+                (world + 3) * nbytes + w.numel() * w.element_size()
+            )  # every rank: W inputs, residual, 2 outputs
+            rows.append((world, hidden, tokens, algorithm, us, moved / (us * 1e-6) / 1e9))
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--hidden", type=int, nargs="+", default=[4096, 8192])
     parser.add_argument("--max-tokens", type=int, default=4096)
     parser.add_argument("--interpret-smoke", action="store_true", help="no GPU: tiny shapes on the CPU interpreter")
+    parser.add_argument("--world", type=int, nargs="*", default=[2, 4], help="in-process ranks on the one GPU")
     a = parser.parse_args()
     smoke = a.interpret_smoke
     if smoke:
@@ -183,6 +232,7 @@ def main() -> None:
             rows.append((hidden, tokens, stock[s], kernel_us, compiled_us, nbytes / (kernel_us * 1e-6) / 1e9))
         dynamo_ext.uninstall()
         dist.destroy_process_group()
+        harness_rows = _harness_rows(timer, smoke, shapes, data, a.world)
 
     where = "CPU, Triton interpreter (script check only)" if smoke else torch.cuda.get_device_name()
     print(f"{where}; torch {torch.__version__}; bf16; world size 1; D2D copy {copy_gbs:.0f} GB/s")
@@ -195,6 +245,18 @@ def main() -> None:
             f"{hidden:6d} {tokens:6d} {s_us:9.1f} {k_us:9.1f} {c_us:11.1f} {s_us / k_us:11.2f}x "
             f"{gbs:11.1f} {100 * gbs / copy_gbs:8.1f}%"
         )
+    if harness_rows:
+        print(f"\nW in-process ranks on {where} (one stream each, launched together; one HBM, no NVLink)")
+        print(
+            f"{'world':>5s} {'hidden':>6s} {'tokens':>6s} {'kernel':>8s} {'step us':>9s} {'GB/s':>8s} {'% of copy':>9s}"
+        )
+        for world, hidden, tokens, algorithm, us, gbs in harness_rows:
+            if algorithm is None:
+                print(f"{world:5d} {hidden:6d} {tokens:6d} {'stock':>8s} {'-':>9s} {'-':>8s} {'-':>9s}")
+                continue
+            print(
+                f"{world:5d} {hidden:6d} {tokens:6d} {algorithm:>8s} {us:9.1f} {gbs:8.1f} {100 * gbs / copy_gbs:8.1f}%"
+            )
 
 
 if __name__ == "__main__":

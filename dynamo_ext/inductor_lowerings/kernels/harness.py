@@ -162,6 +162,20 @@ class InProcessRanks:
         xs = [self.input(r, tuple(x.shape), x.dtype) for r, x in enumerate(inputs)]
         for x, value in zip(xs, inputs):
             x.copy_(value)
+        return self.launch(algorithm, xs, residual, weight, eps=eps, max_block_n=max_block_n, **casts)
+
+    def launch(
+        self,
+        algorithm: str,
+        xs: list[torch.Tensor],
+        residual: torch.Tensor,
+        weight: torch.Tensor | None,
+        *,
+        eps: float,
+        max_block_n: int = one_shot.MAX_BLOCK_N,
+        **casts: Any,
+    ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """The collective on inputs already in place (``xs[r] = self.input(r, ...)``): what benchmarks time."""
 
         def one_rank(rank: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
             common = {"eps": eps, "max_blocks": self.max_blocks, "max_block_n": max_block_n, **casts}
