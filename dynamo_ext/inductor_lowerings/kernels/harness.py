@@ -119,6 +119,10 @@ class InProcessRanks:
                     results.append(fn(rank))
             for stream in self.streams:
                 current.wait_stream(stream)
+            for out in results:  # outputs made on a rank's stream, read on this one: keep their memory until then
+                for t in out if isinstance(out, (tuple, list)) else (out,):
+                    if isinstance(t, torch.Tensor):
+                        t.record_stream(current)
             return results
         if not interpreted():
             raise RuntimeError("in-process ranks need a CUDA device or TRITON_INTERPRET=1")
@@ -157,8 +161,7 @@ class InProcessRanks:
         ``inputs[r]`` is copied into rank ``r``'s buffer first; every rank gets ``residual``
         and ``weight`` (as in tensor parallelism, where they are replicated).
         """
-        if algorithm not in KERNELS:
-            raise ValueError(f"algorithm {algorithm!r}: expected one of {KERNELS}")
+        _kernel(algorithm)  # refuses an unknown algorithm before touching the buffers
         xs = [self.input(r, tuple(x.shape), x.dtype) for r, x in enumerate(inputs)]
         for x, value in zip(xs, inputs):
             x.copy_(value)
@@ -187,12 +190,7 @@ class InProcessRanks:
                 self.peers[rank], xs[rank], residual, weight, staging=self.staging[rank], **common
             )
 
-        kernel = (
-            one_shot._one_shot_all_reduce_residual_rms_norm_kernel
-            if algorithm == "one_shot"
-            else two_shot._two_shot_all_reduce_residual_rms_norm_kernel
-        )
-        return self.run(one_rank, kernel=kernel)
+        return self.run(one_rank, kernel=_kernel(algorithm))
 
     def race_check(
         self,
@@ -204,40 +202,77 @@ class InProcessRanks:
         eps: float = 1e-6,
         max_block_n: int = one_shot.MAX_BLOCK_N,
         seed: int = 0,
+        input_sets: int = 4,
     ) -> dict[str, float]:
         """``calls`` back-to-back collectives of ``shape`` / ``dtype`` against eager; the worst errors seen.
 
+        Call ``k`` uses input set ``k % input_sets`` (consecutive calls differ), and each rank
+        writes its next input into its buffer on its own stream right before its next
+        launch, with no host synchronization between calls: a kernel that let a rank
+        overwrite its input while a peer still reads it, or that left a slot raised,
+        produces wrong numbers or hangs.  Errors are accumulated on the device and read once.
+
         Returns ``sum_max_abs`` (vs :func:`reference_same_order`: 0 for fp32),
-        ``norm_max_ulp`` / ``sum_max_ulp`` (in ulps of ``dtype`` at the reference value),
+        ``sum_max_ulp`` / ``norm_max_ulp`` (in ulps of ``dtype`` at the reference value),
         ``rstd_max_rel``, ``ranks_disagree`` (1 if two ranks' outputs differ in any bit) and
         ``slots_raised`` (signal slots left raised afterwards).
         """
         g = torch.Generator().manual_seed(seed)
-        worst = {"sum_max_abs": 0.0, "sum_max_ulp": 0.0, "norm_max_ulp": 0.0, "rstd_max_rel": 0.0}
-        worst["ranks_disagree"] = 0.0
-        weight = (1 + 0.5 * torch.randn(shape[-1], generator=g)).to(dtype).to(self.device)
+        dev = self.device
+        weight = (1 + 0.5 * torch.randn(shape[-1], generator=g)).to(dtype)
         casts = {} if dtype == torch.float32 else {"upcast": torch.float32, "mid_dtype": dtype}
-        for _ in range(calls):
-            inputs = [torch.randn(shape, generator=g).to(dtype).to(self.device) for _ in range(self.world_size)]
-            residual = torch.randn(shape, generator=g).to(dtype).to(self.device)
-            outs = self.all_reduce_residual_rms_norm(
-                algorithm, inputs, residual, weight, eps=eps, max_block_n=max_block_n, **casts
-            )
+        sets = []
+        for _ in range(max(1, min(calls, input_sets))):
+            inputs = [torch.randn(shape, generator=g).to(dtype) for _ in range(self.world_size)]
+            residual = torch.randn(shape, generator=g).to(dtype)
             want = reference_same_order(inputs, residual, weight, eps=eps, **casts)
-            for out in outs:
-                s, y, rstd = (t.cpu() for t in out)
-                worst["sum_max_abs"] = max(worst["sum_max_abs"], (s.double() - want[0].double()).abs().max().item())
-                worst["sum_max_ulp"] = max(worst["sum_max_ulp"], ulps(s, want[0]))
-                worst["norm_max_ulp"] = max(worst["norm_max_ulp"], ulps(y, want[1]))
-                rel = ((rstd.double() - want[2].double()).abs() / want[2].double().abs()).max().item()
-                worst["rstd_max_rel"] = max(worst["rstd_max_rel"], rel)
-            first = outs[0]
-            if any(not all(torch.equal(a, b) for a, b in zip(first, o)) for o in outs[1:]):
-                worst["ranks_disagree"] = 1.0
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        worst["slots_raised"] = float(self.signal_slots_raised())
-        return worst
+            sets.append(([x.to(dev) for x in inputs], residual.to(dev), [t.to(dev) for t in want]))
+        weight = weight.to(dev)
+        xs = [self.input(r, shape, dtype) for r in range(self.world_size)]
+        worst = {
+            k: torch.zeros((), dtype=torch.float64, device=dev) for k in ("sum_abs", "sum_ulp", "norm_ulp", "rstd")
+        }
+        disagree = torch.zeros((), dtype=torch.bool, device=dev)
+        for k in range(calls):
+            inputs, residual, want = sets[k % len(sets)]
+
+            def one_rank(rank: int, inputs: list[torch.Tensor] = inputs, residual: torch.Tensor = residual) -> Any:
+                xs[rank].copy_(inputs[rank])  # the producer, on this rank's stream, right before the kernel
+                common = {"eps": eps, "max_blocks": self.max_blocks, "max_block_n": max_block_n, **casts}
+                if algorithm == "one_shot":
+                    return one_shot.one_shot_all_reduce_residual_rms_norm(
+                        self.peers[rank], xs[rank], residual, weight, **common
+                    )
+                return two_shot.two_shot_all_reduce_residual_rms_norm(
+                    self.peers[rank], xs[rank], residual, weight, staging=self.staging[rank], **common
+                )
+
+            outs = self.run(one_rank, kernel=_kernel(algorithm))
+            for s, y, rstd in outs:
+                torch.maximum(worst["sum_abs"], (s.double() - want[0].double()).abs().max(), out=worst["sum_abs"])
+                torch.maximum(worst["sum_ulp"], ulps_tensor(s, want[0]), out=worst["sum_ulp"])
+                torch.maximum(worst["norm_ulp"], ulps_tensor(y, want[1]), out=worst["norm_ulp"])
+                rel = ((rstd.double() - want[2].double()).abs() / want[2].double().abs()).max()
+                torch.maximum(worst["rstd"], rel, out=worst["rstd"])
+            for other in outs[1:]:
+                for a, b in zip(outs[0], other):
+                    disagree |= (a != b).any()
+        return {
+            "sum_max_abs": worst["sum_abs"].item(),
+            "sum_max_ulp": worst["sum_ulp"].item(),
+            "norm_max_ulp": worst["norm_ulp"].item(),
+            "rstd_max_rel": worst["rstd"].item(),
+            "ranks_disagree": float(disagree.item()),
+            "slots_raised": float(self.signal_slots_raised()),
+        }
+
+
+def _kernel(algorithm: str) -> Any:
+    if algorithm not in KERNELS:
+        raise ValueError(f"algorithm {algorithm!r}: expected one of {KERNELS}")
+    if algorithm == "one_shot":
+        return one_shot._one_shot_all_reduce_residual_rms_norm_kernel
+    return two_shot._two_shot_all_reduce_residual_rms_norm_kernel
 
 
 def reference_same_order(
@@ -262,11 +297,16 @@ def reference_same_order(
 
 def ulps(got: torch.Tensor, want: torch.Tensor) -> float:
     """Largest ``|got - want|`` in units in the last place of ``want``'s dtype at ``want``."""
+    return ulps_tensor(got, want).item()
+
+
+def ulps_tensor(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
+    """:func:`ulps` as a 0-d float64 tensor on ``want``'s device (no host synchronization)."""
     finfo = torch.finfo(want.dtype)
     w = want.double()
     _, exponent = torch.frexp(torch.clamp(w.abs(), min=finfo.tiny))  # 2**(exponent-1) <= |want| < 2**exponent
     spacing = torch.ldexp(torch.full_like(w, finfo.eps), exponent - 1)
-    return ((got.double() - w).abs() / spacing).max().item()
+    return ((got.double() - w).abs() / spacing).max()
 
 
 def main(argv: list[str] | None = None) -> int:
