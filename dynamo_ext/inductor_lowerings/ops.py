@@ -21,6 +21,7 @@ import torch
 
 from .._patching import Patcher
 from . import _compat
+from .kernels.reference import residual_rms_norm_reference
 from .options import options
 
 log = logging.getLogger(__name__)
@@ -29,32 +30,6 @@ NAMESPACE = "dynamo_ext"
 _EPILOGUE_ARGS = "Tensor input, Tensor residual, Tensor? weight, float eps, ScalarType? upcast, ScalarType? mid_dtype, ScalarType? out_dtype"
 RESIDUAL_RMS_NORM_SCHEMA = f"residual_rms_norm({_EPILOGUE_ARGS}) -> (Tensor, Tensor, Tensor)"
 ONE_SHOT_SCHEMA = f"one_shot_all_reduce_residual_rms_norm({_EPILOGUE_ARGS}, str group_name) -> Tensor[]"
-
-
-def residual_rms_norm_reference(
-    input: torch.Tensor,
-    residual: torch.Tensor,
-    weight: torch.Tensor | None,
-    eps: float,
-    upcast: torch.dtype | None = None,
-    mid_dtype: torch.dtype | None = None,
-    out_dtype: torch.dtype | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(input + residual, rms_norm(input + residual) [* weight], rstd)`` in plain PyTorch.
-
-    The same aten ops, in the same order and dtypes, as the chain the pass replaces.
-    """
-    summed = input + residual
-    h = summed.to(upcast) if upcast is not None else summed
-    rstd = torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    y = h * rstd
-    if mid_dtype is not None:
-        y = y.to(mid_dtype)
-    if weight is not None:
-        y = y * weight
-    if out_dtype is not None:
-        y = y.to(out_dtype)
-    return summed, y, rstd
 
 
 def _one_shot_fallback(

@@ -288,7 +288,7 @@ def reference_same_order(
         acc = acc + x.cpu().float()
     reduced = acc.to(inputs[0].dtype)
     w = None if weight is None else weight.cpu()
-    from ..ops import residual_rms_norm_reference
+    from .reference import residual_rms_norm_reference
 
     return residual_rms_norm_reference(
         reduced, residual.cpu(), w, eps, casts.get("upcast"), casts.get("mid_dtype"), casts.get("out_dtype")

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import torch
 
-from ..ops import residual_rms_norm_reference
 from ._one_shot_all_reduce_rms_norm_kernel import _one_shot_all_reduce_residual_rms_norm_kernel
 from .peer_buffers import PeerBuffers
+from .reference import residual_rms_norm_reference
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
