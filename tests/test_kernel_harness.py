@@ -38,6 +38,8 @@ def test_ranks_as_threads_under_the_interpreter():
     cmd = [sys.executable, "-m", "dynamo_ext.inductor_lowerings.kernels.harness", "--world", "2", "3"]
     cmd += ["--sizes", "3x40", "--calls", "2", "--max-blocks", "2", "--max-block-n", "16"]  # 3 chunks a row
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    if proc.returncode == 2 and proc.stdout.startswith("skipped:"):
+        pytest.skip(proc.stdout.strip())
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     assert len(rows) == 2 * 2 * 2, proc.stdout + proc.stderr[-3000:]  # worlds x dtypes x kernels
     bad = [r for r in rows if not r["ok"]]

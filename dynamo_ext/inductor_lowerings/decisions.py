@@ -57,8 +57,8 @@ def applied_fusions(*, clear: bool = False) -> list[FusionRecord]:
 
 
 def _compile_id() -> str:
-    cid = _compat.optional_attr("torch._guards", "CompileContext")
-    value = cid.current_compile_id() if cid is not None else None
+    current = getattr(_compat.optional_attr("torch._guards", "CompileContext"), "current_compile_id", None)
+    value = current() if current is not None else None
     return "" if value is None else str(value)
 
 
