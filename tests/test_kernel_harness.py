@@ -72,3 +72,39 @@ def test_ranks_as_streams_on_one_gpu_1000_calls(world):
             assert got["sum_max_abs"] == 0 and got["norm_max_ulp"] <= 8, case
         else:
             assert got["sum_max_ulp"] <= 1 and got["norm_max_ulp"] <= 1, case
+
+
+def test_grid_comes_from_agreed_sizes_never_the_local_device():
+    """``max_blocks`` from the signal pad size (the same on every rank) capped by a constant: no SM count query
+    (this CPU machine has no device to ask, so a query would raise)."""
+    import types
+
+    from dynamo_ext.inductor_lowerings.kernels.peer_buffers import MAX_PROGRAMS, PeerBuffers
+
+    def handle(pad_bytes):
+        return types.SimpleNamespace(
+            rank=1, world_size=4, signal_pad_size=pad_bytes, buffer_ptrs=[4096 * (r + 1) for r in range(4)],
+            buffer_ptrs_dev=0, signal_pad_ptrs_dev=0, buffer_size=1 << 20,
+        )  # fmt: skip
+
+    big = PeerBuffers._from_handle(handle(1 << 20), torch.device("cuda", 0))
+    small = PeerBuffers._from_handle(handle(4 * 4 * 5), torch.device("cuda", 7))
+    assert (big.max_blocks, small.max_blocks) == (MAX_PROGRAMS, 5)
+    assert big.aligned
+
+
+def test_launch_config_chunks_long_rows_and_promises_alignment_only_when_true(tmp_path):
+    from dynamo_ext.inductor_lowerings.kernels.one_shot_all_reduce_rms_norm import launch_config
+    from dynamo_ext.inductor_lowerings.kernels.peer_buffers import PeerBuffers, create_host_shared
+
+    create_host_shared(str(tmp_path), world_size=3, buffer_nbytes=1 << 16, max_blocks=2)
+    peers = PeerBuffers.open_host_shared(str(tmp_path), rank=0, world_size=3)
+    bf16 = torch.bfloat16
+    x = peers.local_tensor((2, 64), bf16)
+    assert launch_config(peers, x, bf16) == {"PEERS": 4, "BLOCK_N": 64, "N_CHUNKS": 1, "VEC": 8, "num_warps": 1}
+    assert launch_config(peers, x, torch.float32)["VEC"] == 8  # wider output: 8 elements still 16-byte aligned
+    assert launch_config(peers, peers.local_tensor((2, 64), torch.float32), bf16)["VEC"] == 8  # bf16 rows: 8 elements
+    assert launch_config(peers, peers.local_tensor((2, 60), bf16), bf16)["VEC"] == 1  # rows not a multiple of 8
+    assert launch_config(peers, peers.local_tensor((2, 64), bf16, offset=4), bf16)["VEC"] == 1  # offset: 8 bytes
+    long = launch_config(peers, peers.local_tensor((1, 10000), bf16), bf16)
+    assert (long["BLOCK_N"], long["N_CHUNKS"], long["num_warps"]) == (4096, 3, 16)
