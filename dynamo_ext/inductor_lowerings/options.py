@@ -49,7 +49,9 @@ class LoweringOptions:
     inputs stay stock all-reduces.  At most ``one_shot_max_bytes`` turns the two-shot kernel off."""
 
     one_shot_max_hidden: int = 16384
-    """Largest row the one-shot kernel keeps in registers (one program per row)."""
+    """Longest row (elements) the fused all-reduce kernels take.  Rows above 4096 elements
+    (``kernels.one_shot_all_reduce_rms_norm.MAX_BLOCK_N``) are walked in chunks, two passes,
+    so registers hold one 4096-element chunk at a time, never the row."""
 
     def cache_key(self) -> str:
         return repr(dataclasses.astuple(self))
