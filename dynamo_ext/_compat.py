@@ -349,3 +349,12 @@ def compile_lock() -> Any:
 
 
 _FALLBACK_COMPILE_LOCK = threading.RLock()
+
+
+def dtensor_rejects_mixed_partials() -> bool:
+    """Whether eager DTensor refuses mixed ``Partial`` reduce ops in one placement list.
+
+    ``torch.distributed.tensor._utils.assert_no_mixed_partial_types`` (called by
+    ``distribute_tensor`` and ``DTensor.from_local`` where it exists).
+    """
+    return optional_attr("torch.distributed.tensor._utils", "assert_no_mixed_partial_types") is not None

@@ -89,3 +89,14 @@ def test_distribute_tensor_of_a_grad_tensor_is_a_clear_graph_break(world):
         torch.compile(lambda x: distribute_tensor(x, m, [Shard(0)]).to_local(), fullgraph=True)(
             torch.ones(8, 2, requires_grad=True)
         )
+
+
+def test_distribute_tensor_to_mixed_partial_ops_raises_value_error(world):
+    # Found by tests/test_guard_fuzz.py: the plugin's traced distribute_tensor skipped eager's check.
+    from torch.distributed.tensor import Partial
+
+    m = init_device_mesh("cpu", (2, 2))
+    err = _same_error_as_eager(
+        lambda x: distribute_tensor(x, m, [Partial("max"), Partial("avg")]).to_local(), torch.ones(4, 4)
+    )
+    assert isinstance(err, ValueError) and "Mixed Partial reduce types" in str(err)

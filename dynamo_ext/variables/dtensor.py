@@ -30,6 +30,8 @@ from .functions import fold_call, register_handler, register_polyfill
 # results are the same, without a rendezvous per call.  Meshes are memoized
 # by their arguments so a recompile does not create new groups either.
 _MESH_CACHE: dict[Any, Any] = {}
+# Set by register(): whether eager distribute_tensor refuses mixed Partial reduce ops (a _compat probe).
+_REJECT_MIXED_PARTIALS = False
 
 
 def _hashable(x: Any) -> Any:
@@ -103,6 +105,15 @@ def distribute_tensor(tensor: Any, device_mesh: Any = None, placements: Any = No
             f"`placements` must have the same length as `device_mesh.ndim`! "
             f"Found placements length: {len(placements)}, and device_mesh.ndim: {device_mesh.ndim}."
         )
+    if _REJECT_MIXED_PARTIALS:
+        # Eager's assert_no_mixed_partial_types, with its message (the polyfill is traced, the helper is not).
+        reduce_ops = {p.reduce_op for p in placements if isinstance(p, Partial)}
+        if len(reduce_ops) > 1 and reduce_ops != {"sum", "avg"}:
+            raise ValueError(
+                f"Mixed Partial reduce types are not supported in the same placement list. "
+                f"Found reduce ops: {reduce_ops}. "
+                f"Please ensure all Partial placements use the same reduce operation."
+            )
     if isinstance(tensor, DTensor):
         if tensor.device_mesh != device_mesh:
             raise ValueError(
@@ -205,6 +216,8 @@ def register(patches: Patcher) -> None:
     # as `self`.  Those frames are construction code, never user code: skip them.
     for code in (init_device_mesh.__code__, DeviceMesh.__init__.__code__):
         patches.on_undo(_compat.skip_frames_of(code))
+    global _REJECT_MIXED_PARTIALS
+    _REJECT_MIXED_PARTIALS = _compat.dtensor_rejects_mixed_partials()
     register_polyfill(eager_distribute_tensor, distribute_tensor)
     register_handler(init_device_mesh, _mesh_handler(init_device_mesh))
     register_handler(DeviceMesh, _mesh_handler(DeviceMesh))
