@@ -148,3 +148,14 @@ def detect_fake_mode(values: list[Any]) -> Any:
     """``torch._guards.detect_fake_mode`` over example values (None when none are fake)."""
     fn = optional_attr("torch._guards", "detect_fake_mode")
     return fn(values) if fn is not None else None
+
+
+# ---- the compile entry our post-grad passes re-chain at (issue 9, item 5) -------------
+def compile_fx_module() -> Any:
+    """``torch._inductor.compile_fx``, whose ``compile_fx`` the ``inductor`` backend looks up at each compile.
+
+    Dynamo's registered ``inductor`` backend imports ``compile_fx`` from this
+    module when called (2.11 to 2.15), so a wrapper set on the module runs at the
+    start of every Inductor compile through ``torch.compile``.
+    """
+    return importlib.import_module("torch._inductor.compile_fx")
