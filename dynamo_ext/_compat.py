@@ -358,3 +358,11 @@ def dtensor_rejects_mixed_partials() -> bool:
     ``distribute_tensor`` and ``DTensor.from_local`` where it exists).
     """
     return optional_attr("torch.distributed.tensor._utils", "assert_no_mixed_partial_types") is not None
+
+
+def global_state_source() -> Any:
+    """Dynamo's ``GlobalStateSource()``: the source of guards on global state (grad mode, default device).
+
+    In ``torch._dynamo.source`` on 2.11 to 2.15.
+    """
+    return _source.GlobalStateSource()

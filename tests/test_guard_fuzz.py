@@ -482,3 +482,39 @@ def test_rank_rejoining_as_another_rank_recompiles(plugin):
     assert results[0][1] == results[1][1]  # the same group names in both worlds
     assert results[0][0].item() != results[1][0].item()  # coordinate and local rank folded per rank
     assert recorder.compiles["fold"] == 2  # rank 0 again reuses its graph
+
+
+def test_mesh_made_while_tracing_is_not_reused_in_a_recreated_world(plugin):
+    """The graph bakes the traced mesh's groups and coordinate: a new world (here as another rank) recompiles."""
+    from helpers import fake_world
+
+    recorder = Recorder()
+
+    @torch.compile(backend=recorder.backend("made"), fullgraph=True)
+    def fn(x):
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        return funcol.all_reduce(x, "sum", (mesh, 1)) + mesh.get_coordinate()[1], mesh.get_group(1).group_name
+
+    with fake_world(4, rank=0):
+        assert fn(torch.zeros(1))[0].item() == 0.0
+        first_name = fn(torch.zeros(1))[1]
+    assert recorder.compiles["made"] == 1
+    with fake_world(4, rank=1):
+        dist.new_group([0, 1])  # group names now differ from the first world's
+        out, name = fn(torch.zeros(1))
+        assert out.item() == init_device_mesh("cpu", (2, 2)).get_coordinate()[1] == 1.0
+        assert name != first_name and recorder.ran[-1] == {name}  # this world's group, not the old name
+    assert recorder.compiles["made"] == 2
+
+
+def test_backward_hook_sites_of_freed_modules_are_dropped():
+    from dynamo_ext.variables import backward_hook_ops
+
+    modules = [torch.nn.Linear(1, 1) for _ in range(5)]
+    sites = [backward_hook_ops.new_site(m) for m in modules]
+    del modules
+    gc.collect()
+    keep = torch.nn.Linear(1, 1)
+    backward_hook_ops.new_site(keep)
+    assert not set(sites) & set(backward_hook_ops._SITES)
+    assert any(s.module() is keep for s in backward_hook_ops._SITES.values())
