@@ -164,18 +164,30 @@ def test_patcher_restores_class_attributes_as_class_attributes():
     assert isinstance(vars(Base)["static"], staticmethod) and obj.static() == "static" and obj.method() == "base"
 
 
-def test_uninstall_leaves_a_later_patch_of_the_same_attribute_alone(caplog):
+def test_uninstall_leaves_a_later_patch_of_the_same_attribute_alone():
+    import logging
+
+    class Records(logging.Handler):
+        def __init__(self) -> None:
+            super().__init__(logging.WARNING)
+            self.messages: list[str] = []
+
+        def emit(self, record: logging.LogRecord) -> None:
+            self.messages.append(record.getMessage())
+
     stock = vars(builder.VariableBuilder)["_wrap"]
     dynamo_ext.install()
     ours = builder.VariableBuilder._wrap
     theirs = lambda self, value: ours(self, value)  # noqa: E731  (another library wrapping ours)
     builder.VariableBuilder._wrap = theirs
+    records, logger = Records(), logging.getLogger("dynamo_ext._patching")
+    logger.addHandler(records)
     try:
-        with caplog.at_level("WARNING", logger="dynamo_ext._patching"):
-            dynamo_ext.uninstall()
+        dynamo_ext.uninstall()
         assert builder.VariableBuilder._wrap is theirs
-        assert any("VariableBuilder._wrap was changed after install" in r.getMessage() for r in caplog.records)
+        assert any("VariableBuilder._wrap was changed after install" in m for m in records.messages), records.messages
     finally:
+        logger.removeHandler(records)
         builder.VariableBuilder._wrap = stock  # "they" undo theirs (to stock: they would restore ours)
     assert len(PATCHES) == 0
 
