@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
+import threading
 from typing import Any
 
 import torch
@@ -401,3 +402,46 @@ def torch_dispatch_mode_base() -> type:
     from torch.utils._python_dispatch import TorchDispatchMode
 
     return TorchDispatchMode
+
+
+# ---- guard soundness (issue 9, item 3) ----------------------------------------
+def mesh_group_names(mesh: Any) -> tuple[str, ...] | None:
+    """The names of a ``DeviceMesh``'s per-axis process groups (``mesh._dim_group_names``), ``None`` without them.
+
+    These are the names functional collectives over the mesh bake into a graph;
+    a mesh built with ``_init_backend=False`` has none.  Present on 2.11 to 2.15.
+    """
+    names = getattr(mesh, "_dim_group_names", None)
+    return None if names is None else tuple(names)
+
+
+def compile_lock() -> Any:
+    """Dynamo's compile lock (``torch._dynamo.convert_frame.compile_lock``, a ``threading.RLock``).
+
+    Held by Dynamo while it compiles a frame and by ``torch._dynamo.reset()``;
+    ``dynamo_ext.install()`` holds it while patching so no frame is traced half
+    patched.  On 2.11 to 2.15; a private lock of our own where absent.
+    """
+    from torch._dynamo import convert_frame
+
+    return getattr(convert_frame, "compile_lock", _FALLBACK_COMPILE_LOCK)
+
+
+_FALLBACK_COMPILE_LOCK = threading.RLock()
+
+
+def dtensor_rejects_mixed_partials() -> bool:
+    """Whether eager DTensor refuses mixed ``Partial`` reduce ops in one placement list.
+
+    ``torch.distributed.tensor._utils.assert_no_mixed_partial_types`` (called by
+    ``distribute_tensor`` and ``DTensor.from_local`` where it exists).
+    """
+    return optional_attr("torch.distributed.tensor._utils", "assert_no_mixed_partial_types") is not None
+
+
+def global_state_source() -> Any:
+    """Dynamo's ``GlobalStateSource()``: the source of guards on global state (grad mode, default device).
+
+    In ``torch._dynamo.source`` on 2.11 to 2.15.
+    """
+    return _source.GlobalStateSource()

@@ -128,6 +128,27 @@ def _validate_target(target: str) -> str | None:
     return None
 
 
+def _bad_option(args: argparse.Namespace) -> str | None:
+    """Why an option cannot work, in one line, checked before any rank starts (issue 9), or ``None``."""
+    for flag in ("max_breaks", "max_recompiles", "max_hang_risks"):
+        value = getattr(args, flag, None)
+        if value is not None and value < 0:
+            return f"--{flag.replace('_', '-')} must be 0 or more, got {value}"
+    for flag in ("rtol", "atol"):
+        value = getattr(args, flag)
+        if value is not None and not value >= 0:
+            return f"--{flag} must be a number >= 0, got {value:g}"
+    for flag in ("json", "html"):
+        path = getattr(args, flag)
+        if path:
+            folder = os.path.dirname(os.path.abspath(path))
+            if os.path.isdir(path):
+                return f"--{flag} {path}: is a directory; give a file name"
+            if not os.path.isdir(folder):
+                return f"--{flag} {path}: folder {folder} does not exist"
+    return None
+
+
 def _write(report, args: argparse.Namespace, err: Console) -> None:  # type: ignore[no-untyped-def]
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
@@ -159,6 +180,9 @@ def _audit(argv: list[str]) -> int:
         return fail(f"--timeout must be positive, got {args.timeout:g}")
     if (args.rtol is None) != (args.atol is None):
         return fail("give --rtol and --atol together (or neither, for torch.testing.assert_close's defaults)")
+    why = _bad_option(args)
+    if why:
+        return fail(why)
     check_numerics = args.check_numerics if args.check_numerics is not None else args.target is None
     if args.compare_stock and args.no_plugin:
         return fail("--compare-stock already runs without the plugin; drop --no-plugin")

@@ -231,3 +231,14 @@ def emit_structured_artifact(name: str, payload: dict[str, Any]) -> None:
         metadata_fn=lambda: {"name": name, "encoding": "json"},
         payload_fn=lambda: json.dumps(payload, sort_keys=True),
     )
+
+
+# ---- the compile entry our post-grad passes re-chain at (issue 9, item 5) -------------
+def compile_fx_module() -> Any:
+    """``torch._inductor.compile_fx``, whose ``compile_fx`` the ``inductor`` backend looks up at each compile.
+
+    Dynamo's registered ``inductor`` backend imports ``compile_fx`` from this
+    module when called (2.11 to 2.15), so a wrapper set on the module runs at the
+    start of every Inductor compile through ``torch.compile``.
+    """
+    return importlib.import_module("torch._inductor.compile_fx")
