@@ -268,6 +268,9 @@ def merge(
             )
         )
     numerics = _numerics(events_by_rank)
+    from .comm_merge import merge_comm
+
+    comm = merge_comm(events_by_rank, ref, graph_id)
     internal = tuple(
         f"rank {r}: {e['message']}" for r, evs in sorted(events_by_rank.items()) for e in evs if e["ev"] == "internal"
     )
@@ -283,6 +286,7 @@ def merge(
         ranks=tuple(ranks),
         errors=tuple(errors) + internal,
         numerics=numerics,
+        comm=comm,
     )
 
 
