@@ -37,6 +37,7 @@ backward) across the ranks of its groups and raise ``dynamo_ext.CollectiveMismat
 
 collective_check_timeout_s: float = _seconds_from_env("DYNAMO_EXT_COLLECTIVE_CHECK_TIMEOUT", 300.0)
 """Seconds a rank waits at a graph's first run for a peer that has not arrived (it may still be compiling:
-keep this above the longest compile).  Mismatches between ranks that both arrive are reported at once."""
+keep this above the longest compile); the default group's timeout caps it.  Mismatches between ranks that
+both arrive are reported at once."""
 
 _install_config_module(sys.modules[__name__])

@@ -26,7 +26,9 @@ groups G and reads every other member's, then compares the whole sequences
   collectives (another group, another order).
 
 Only when a peer never comes (it runs no compiled graph with collectives
-there) does the wait last ``config.collective_check_timeout_s``.
+there, it died) does the wait last ``config.collective_check_timeout_s``, or
+the default group's timeout (``init_process_group(timeout=...)``, which the
+store carries) when that is shorter: no longer than a collective would wait.
 """
 
 from __future__ import annotations
@@ -140,6 +142,9 @@ class _Meeting:
         self.records, self.payload = records, payload
         self.store = _compat.prefix_store(_PREFIX, state.store)
         self.scope = tuple(sorted({r for ranks in meetings.values() for r in ranks}))
+        # No longer than the collective itself would wait: the store's timeout is init_process_group's.
+        store_timeout = getattr(getattr(state.store, "timeout", None), "total_seconds", lambda: float("inf"))()
+        self.timeout_s = min(config.collective_check_timeout_s, store_timeout)
         self.peer_meetings: set[str] = set()
 
     def run(self) -> None:
@@ -198,12 +203,12 @@ class _Meeting:
                     differences.append(elsewhere)
             if differences:
                 raise CollectiveMismatchError(self._message(differences))
-            if time.monotonic() - start > config.collective_check_timeout_s:
+            if time.monotonic() - start > self.timeout_s:
                 late = ", ".join(map(str, sorted({p for _, p in pending})))
                 raise CollectiveMismatchError(
                     f"{self._head()} rank(s) {late} did not reach a compiled graph with "
-                    f"these collectives within {config.collective_check_timeout_s:g} s (dynamo_ext.config."
-                    f"collective_check_timeout_s); they run other code here (eager collectives, a graph without "
+                    f"these collectives within {self.timeout_s:g} s (dynamo_ext.config.collective_check_timeout_s, "
+                    f"or the process group's timeout if shorter); they run other code here (eager collectives, a graph without "
                     f"collectives, another branch), or compile for longer than that. This rank's collectives:\n"
                     + "\n".join(
                         f"  #{i}: {c.describe()} at {c.source or '<unknown source>'}"
