@@ -46,7 +46,7 @@ def worker_pids() -> list[int]:
                 cmd = Path(f"/proc/{d}/cmdline").read_bytes()
             except OSError:
                 continue
-            if b"dynamo_ext.audit.worker" in cmd and b"misbehaves.py" in cmd:
+            if b"dynamo_ext.audit.collect" in cmd and b"misbehaves.py" in cmd:
                 out.append(int(d))
     return out
 

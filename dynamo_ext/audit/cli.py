@@ -83,7 +83,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def _validate_target(target: str) -> str | None:
     """Why ``target`` cannot run, in one line, or ``None``."""
-    from .worker import is_function_target, resolve_function
+    from .collect import is_function_target, resolve_function
 
     if is_function_target(target):
         module, _, func = target.partition(":")

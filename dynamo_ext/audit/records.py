@@ -128,7 +128,12 @@ class RankSummary:
     """What one rank did: its status and its own totals.
 
     ``status`` is ``"ok"``, ``"error"`` (the target raised), ``"died"`` (the
-    process ended without saying why) or ``"timeout"``.  ``dynamo_graph_breaks``
+    process ended without saying why; a rank file cut short), ``"timeout"``,
+    ``"stopped"`` (ended by the launcher after another rank failed) or
+    ``"missing"`` (no rank file: ``audit merge`` expected it from the world
+    size).  ``host``/``node_rank``/``local_rank``: where the rank ran, from its
+    rank file's header (``""``/``None`` when unknown; for a missing rank the
+    host is inferred from its node's other ranks, if any).  ``dynamo_graph_breaks``
     is ``sum(torch._dynamo.utils.counters["graph_break"].values())`` read on the
     rank at the end (``None`` when the rank never got there); ``dynamo_missed``
     the breaks of ``graph_breaks`` that counter did not count (torch 2.13 does not
@@ -148,6 +153,9 @@ class RankSummary:
     dynamo_unique_graphs: int | None
     log: str
     dynamo_missed: int = 0
+    host: str = ""
+    node_rank: int | None = None
+    local_rank: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)

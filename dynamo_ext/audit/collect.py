@@ -1,15 +1,34 @@
-"""The program each rank runs: ``python -m dynamo_ext.audit.worker --out DIR --target T [--no-plugin] [--check-numerics] [-- ARGS]``.
+"""The program each rank runs: ``python -m dynamo_ext.audit.collect --out DIR [--no-plugin] [--check-numerics] TARGET [-- ARGS]``.
 
-Started by torch's launcher (``torch.distributed.run``), which sets ``RANK``,
-``WORLD_SIZE``, ``MASTER_ADDR`` ... as for any torchrun program.  A script
-target runs as ``__main__`` with ``sys.argv = [script, *ARGS]`` and sets up its
-own process group, exactly as under torchrun; a ``module:function`` target is
-called with no arguments after this worker has initialized the default group
-(gloo on CPU, NCCL when CUDA is there).  Events go to ``DIR/rank<R>.jsonl`` as
-they happen, so a rank that dies leaves what it saw.  With
-``--check-numerics``, after the audited run (and outside the collection),
-the target's ``make_step()`` is checked compiled against eager
-(:mod:`.numerics`) and the result is one ``numerics`` event.
+It runs under whatever started the job: ``dynamo-ext audit`` (which starts it
+with torch's launcher on the local machine), ``torchrun --nnodes ...``, or
+``srun``.  The rank comes from ``RANK``/``WORLD_SIZE``/``LOCAL_RANK`` (torchrun,
+any launcher that follows it) or, when those are absent, from
+``SLURM_PROCID``/``SLURM_NTASKS``/``SLURM_LOCALID`` (exported as ``RANK`` ... so
+``init_process_group()`` finds them; ``MASTER_ADDR``/``MASTER_PORT`` must be set
+by the job script, as for any srun-started torch program).  A script target runs
+as ``__main__`` with ``sys.argv = [script, *ARGS]`` and sets up its own process
+group, exactly as without the audit; a ``module:function`` target is called
+with no arguments after the default group is initialized here (gloo on CPU,
+NCCL when CUDA is there).
+
+Each rank writes ``DIR/rank<R>.jsonl`` (NOTE [rank file]) as events happen, so a
+rank that dies leaves what it saw.  With ``--check-numerics``, after the
+audited run (and outside the collection), the target's ``make_step()`` is
+checked compiled against eager (:mod:`.numerics`) and the result is one
+``numerics`` event.  ``dynamo-ext audit merge DIR`` (:mod:`.rank_files`) reads
+the directory back.
+
+NOTE [rank file]
+JSON Lines, one event per line, flushed each time.  The first line is the
+header (``"ev": "start"``: rank, world size, local rank, local world size,
+node rank, host, pid, launcher, torch and plugin versions, target, start
+time); then ``break``/``compile``/``error``/``numerics``/``internal`` events
+(:mod:`.collector`); the last is ``"ev": "end"`` with the exit status and the
+end time.  A file without its ``end`` line was cut short: the rank was killed
+(SIGKILL, out of memory, a node lost) before it could finish.  SIGTERM (what
+launchers send the surviving ranks when one fails) is turned into an
+exception, so such a rank still writes its ``end`` line, with status 143.
 """
 
 from __future__ import annotations
@@ -18,15 +37,97 @@ import argparse
 import importlib
 import os
 import runpy
+import signal
+import socket
 import sys
+import time
 import traceback
+from collections.abc import MutableMapping
 from typing import Any
 
 from .collector import Collector, JsonlSink, dynamo_counters
 from .identity import is_torch_file, normalize_path, target_root
 
 EXIT_TARGET_FAILED = 1
+EXIT_BAD_INPUT = 2
 EXIT_PLUGIN_FAILED = 3
+EXIT_TERMINATED = 128 + int(signal.SIGTERM)
+
+
+class Terminated(BaseException):
+    """SIGTERM arrived (the launcher stops the job): unwinds the target so the rank file gets its ``end`` line."""
+
+
+def rank_identity(environ: MutableMapping[str, str] | None = None) -> dict[str, Any]:
+    """This process's place in the job, from the launcher's environment variables.
+
+    torchrun's ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``/``LOCAL_WORLD_SIZE``/``GROUP_RANK``
+    (the node rank) first; when ``RANK`` is absent, SLURM's
+    ``SLURM_PROCID``/``SLURM_NTASKS``/``SLURM_LOCALID``/``SLURM_NODEID``
+    (``SLURM_NTASKS_PER_NODE`` for the local world size), which are then exported
+    into ``environ`` as ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``
+    and ``GROUP_RANK`` so the target's ``init_process_group()`` finds them.  Neither:
+    one process, rank 0 of 1.
+
+    Returns:
+        ``{"rank", "world_size", "local_rank", "local_world_size", "node_rank", "host", "launcher"}``;
+        ``local_world_size``/``node_rank`` are ``None`` when the launcher does not say.
+
+    Raises:
+        ValueError: a variable is not an integer, or the rank is outside ``[0, world size)``.
+    """
+    env = os.environ if environ is None else environ
+    if "RANK" in env:
+        launcher = "torchrun" if "TORCHELASTIC_RUN_ID" in env else "env"
+        names = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK")
+    elif "SLURM_PROCID" in env:
+        launcher = "slurm"
+        names = ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE", "SLURM_NODEID")
+    else:
+        launcher = "none"
+        names = ()
+
+    def num(name: str | None, default: int | None) -> int | None:
+        if name is None or env.get(name) in (None, ""):
+            return default
+        value = env[name]
+        if name == "SLURM_NTASKS_PER_NODE":  # "4" or "4(x2)" or "4,2": only a single count is one size
+            value = value.split("(")[0] if "," not in value else ""
+            if not value:
+                return None
+        try:
+            return int(value)
+        except ValueError:
+            raise ValueError(
+                f"environment variable {name}={env[name]!r} is not an integer; the launcher sets it to this "
+                "process's place in the job (unset it, or start the job with torchrun or srun)"
+            ) from None
+
+    rank = num(names[0] if names else None, 0) or 0
+    world = num(names[1] if names else None, 1) or 1
+    local = num(names[2] if names else None, rank if launcher == "none" else 0)
+    identity = {
+        "rank": rank,
+        "world_size": world,
+        "local_rank": local,
+        "local_world_size": num(names[3] if names else None, None),
+        "node_rank": num(names[4] if names else None, None),
+        "host": socket.gethostname(),
+        "launcher": launcher,
+    }
+    if not 0 <= rank < world:
+        raise ValueError(f"rank {rank} is outside the world of {world} ranks ({names[0]}, {names[1]})")
+    if launcher == "slurm":
+        for key, field in (
+            ("RANK", "rank"),
+            ("WORLD_SIZE", "world_size"),
+            ("LOCAL_RANK", "local_rank"),
+            ("LOCAL_WORLD_SIZE", "local_world_size"),
+            ("GROUP_RANK", "node_rank"),
+        ):
+            if identity[field] is not None:
+                env.setdefault(key, str(identity[field]))
+    return identity
 
 
 def resolve_function(target: str) -> Any:
@@ -174,28 +275,50 @@ def _check_numerics(target: str, rtol: float | None, atol: float | None) -> dict
     return {"ev": "numerics", **result}
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+def _on_sigterm(signum: int, frame: Any) -> None:
+    raise Terminated(f"terminated by signal {signal.Signals(signum).name}")
+
+
+def _parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     target_args: list[str] = []
     if "--" in argv:
         i = argv.index("--")
         argv, target_args = argv[:i], argv[i + 1 :]
-    p = argparse.ArgumentParser(prog="python -m dynamo_ext.audit.worker")
-    p.add_argument("--out", required=True)
-    p.add_argument("--target", required=True)
-    p.add_argument("--plugin", action=argparse.BooleanOptionalAction, default=True)
-    p.add_argument("--check-numerics", action="store_true")
+    p = argparse.ArgumentParser(
+        prog="python -m dynamo_ext.audit.collect",
+        description="Run TARGET as this rank of a job (under torchrun, srun, or dynamo-ext audit) and write what "
+        "torch.compile did to DIR/rank<R>.jsonl; then: dynamo-ext audit merge DIR.",
+        epilog="TARGET is a script path or module:function; arguments after -- go to the target.",
+    )
+    p.add_argument("target", metavar="TARGET")
+    p.add_argument("--out", required=True, metavar="DIR", help="directory for the rank files (shared by all nodes)")
+    p.add_argument("--plugin", action=argparse.BooleanOptionalAction, default=True, help="install dynamo-ext")
+    p.add_argument("--check-numerics", action="store_true", help="also check the target's make_step() (docs/audit.md)")
     p.add_argument("--rtol", type=float, default=None)
     p.add_argument("--atol", type=float, default=None)
-    ns = p.parse_args(argv)
+    return p.parse_args(argv), target_args
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run one rank; the exit status is the target's outcome (NOTE [rank file] has what is written)."""
+    ns, target_args = _parse(list(sys.argv[1:] if argv is None else argv))
+    try:
+        identity = rank_identity()
+    except ValueError as e:
+        print(f"dynamo_ext.audit.collect: error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
 
     import torch
 
     import dynamo_ext
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    rank = int(os.environ.get("RANK", "0"))
-    sink = JsonlSink(os.path.join(ns.out, f"rank{rank}.jsonl"))
+    rank = identity["rank"]
+    os.makedirs(ns.out, exist_ok=True)
+    path = os.path.join(ns.out, f"rank{rank}.jsonl")
+    if os.path.exists(path):
+        os.remove(path)  # a rerun into the same directory replaces this rank's file
+    sink = JsonlSink(path)
     root = root_of_target(ns.target)
     collector = Collector(sink, root=root)
     plugin: dict[str, Any] = {"installed": False, "version": dynamo_ext.__version__, "error": ""}
@@ -210,22 +333,24 @@ def main(argv: list[str] | None = None) -> int:
     collector.record(
         {
             "ev": "start",
-            "rank": rank,
-            "world_size": int(os.environ.get("WORLD_SIZE", "1")),
+            **identity,
             "pid": os.getpid(),
             "torch_version": torch.__version__,
             "plugin": plugin,
             "target": ns.target,
+            "time": time.time(),
         }
     )
     if install_error is not None:
         ev = _error_event(install_error)
         ev["message"] = plugin["error"]
         collector.record(ev)
+        collector.record({"ev": "end", "counters": {}, "status": EXIT_PLUGIN_FAILED})
         sink.close()
         return EXIT_PLUGIN_FAILED
 
     status = 0
+    previous = signal.signal(signal.SIGTERM, _on_sigterm)
     collector.start()
     try:
         if is_function_target(ns.target):
@@ -238,6 +363,9 @@ def main(argv: list[str] | None = None) -> int:
                 {"ev": "error", "type": "SystemExit", "message": f"target exited with status {e.code}", "traceback": ""}
             )
             status = EXIT_TARGET_FAILED
+    except Terminated as e:
+        collector.record({"ev": "error", "type": "Terminated", "message": str(e), "traceback": ""})
+        status = EXIT_TERMINATED
     except BaseException as e:  # the report says what the target raised
         collector.record(_error_event(e, root))
         traceback.print_exc()
@@ -245,7 +373,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         collector.stop()
         counters = {**dynamo_counters(), "graph_break_missed": collector.dynamo_missed()}
-        collector.record({"ev": "end", "counters": counters, "status": status})
+        if status or not ns.check_numerics:
+            collector.record({"ev": "end", "counters": counters, "status": status})
     if status == 0 and ns.check_numerics:
         try:
             collector.record(_check_numerics(ns.target, ns.rtol, ns.atol))
@@ -255,6 +384,8 @@ def main(argv: list[str] | None = None) -> int:
             collector.record(ev)
             traceback.print_exc()
             status = EXIT_TARGET_FAILED
+        collector.record({"ev": "end", "counters": counters, "status": status})
+    signal.signal(signal.SIGTERM, previous)
     sink.close()
     return status
 
