@@ -27,8 +27,12 @@ time); then ``break``/``compile``/``error``/``numerics``/``internal`` events
 (:mod:`.collector`); the last is ``"ev": "end"`` with the exit status and the
 end time.  A file without its ``end`` line was cut short: the rank was killed
 (SIGKILL, out of memory, a node lost) before it could finish.  SIGTERM (what
-launchers send the surviving ranks when one fails) is turned into an
-exception, so such a rank still writes its ``end`` line, with status 143.
+launchers send the surviving ranks when one fails) still gives a complete
+file: a watcher thread woken by the signal (``signal.set_wakeup_fd``, which
+works while the main thread is blocked inside a collective) writes an
+``error`` (type ``Terminated``) and the ``end`` line with status 143, then
+ends the process at once, as SIGTERM would have.  A target that installs its
+own SIGTERM handler keeps it (the watcher then does nothing).
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ import runpy
 import signal
 import socket
 import sys
+import threading
 import time
 import traceback
 from collections.abc import MutableMapping
@@ -54,8 +59,53 @@ EXIT_PLUGIN_FAILED = 3
 EXIT_TERMINATED = 128 + int(signal.SIGTERM)
 
 
-class Terminated(BaseException):
-    """SIGTERM arrived (the launcher stops the job): unwinds the target so the rank file gets its ``end`` line."""
+class _TermWatch:
+    """On SIGTERM: ``on_term()`` (writes the last records), then exit 143 at once (NOTE [rank file])."""
+
+    def __init__(self, on_term: Any) -> None:
+        self.on_term = on_term
+        self.active = False
+        if threading.current_thread() is not threading.main_thread():
+            return
+        r, w = os.pipe()
+        os.set_blocking(w, False)
+        try:
+            previous_fd = signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+        except ValueError:
+            return
+        if previous_fd != -1:  # someone else (asyncio) listens there: leave SIGTERM as it is
+            signal.set_wakeup_fd(previous_fd)
+            return
+        self._read, self._write = r, w
+        self._previous = signal.signal(signal.SIGTERM, _ignore)  # a Python handler makes C write to the fd
+        self.active = True
+        threading.Thread(target=self._run, name="dynamo-ext-audit-sigterm", daemon=True).start()
+
+    def _run(self) -> None:
+        while True:
+            try:
+                data = os.read(self._read, 64)
+            except OSError:
+                return
+            if not data:
+                return
+            if int(signal.SIGTERM) in data and signal.getsignal(signal.SIGTERM) is _ignore:
+                try:
+                    self.on_term()
+                finally:
+                    os._exit(EXIT_TERMINATED)
+
+    def close(self) -> None:
+        if self.active and threading.current_thread() is threading.main_thread():
+            signal.set_wakeup_fd(-1)
+            if signal.getsignal(signal.SIGTERM) is _ignore:
+                signal.signal(signal.SIGTERM, self._previous)
+            os.close(self._write)
+            self.active = False
+
+
+def _ignore(signum: int, frame: Any) -> None:
+    """The main thread's SIGTERM handler: the watcher thread does the work."""
 
 
 def rank_identity(environ: MutableMapping[str, str] | None = None) -> dict[str, Any]:
@@ -275,10 +325,6 @@ def _check_numerics(target: str, rtol: float | None, atol: float | None) -> dict
     return {"ev": "numerics", **result}
 
 
-def _on_sigterm(signum: int, frame: Any) -> None:
-    raise Terminated(f"terminated by signal {signal.Signals(signum).name}")
-
-
 def _parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     target_args: list[str] = []
     if "--" in argv:
@@ -350,7 +396,14 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_PLUGIN_FAILED
 
     status = 0
-    previous = signal.signal(signal.SIGTERM, _on_sigterm)
+
+    def on_term() -> None:
+        collector.record(
+            {"ev": "error", "type": "Terminated", "message": "terminated by SIGTERM (the launcher stopped the job)"}
+        )
+        collector.record({"ev": "end", "counters": {}, "status": EXIT_TERMINATED})
+
+    watch = _TermWatch(on_term)
     collector.start()
     try:
         if is_function_target(ns.target):
@@ -363,9 +416,6 @@ def main(argv: list[str] | None = None) -> int:
                 {"ev": "error", "type": "SystemExit", "message": f"target exited with status {e.code}", "traceback": ""}
             )
             status = EXIT_TARGET_FAILED
-    except Terminated as e:
-        collector.record({"ev": "error", "type": "Terminated", "message": str(e), "traceback": ""})
-        status = EXIT_TERMINATED
     except BaseException as e:  # the report says what the target raised
         collector.record(_error_event(e, root))
         traceback.print_exc()
@@ -385,7 +435,7 @@ def main(argv: list[str] | None = None) -> int:
             traceback.print_exc()
             status = EXIT_TARGET_FAILED
         collector.record({"ev": "end", "counters": counters, "status": status})
-    signal.signal(signal.SIGTERM, previous)
+    watch.close()
     sink.close()
     return status
 

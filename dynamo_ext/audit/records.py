@@ -216,7 +216,9 @@ class AuditReport:
     ``plugin`` says whether dynamo-ext was installed on the ranks
     (``{"installed": bool, "version": str, "error": str}``).  ``stock`` is the
     run without the plugin when ``--compare-stock`` was given.  ``numerics`` is
-    the numerics check (``None`` when it did not run).
+    the numerics check (``None`` when it did not run).  ``notes``: what the
+    input could not say (a ``TORCH_TRACE`` directory has no exit statuses,
+    numerics or plugin state: :mod:`.trace_reader`).
     """
 
     target: str
@@ -231,6 +233,7 @@ class AuditReport:
     errors: tuple[str, ...] = ()
     stock: AuditReport | None = None
     numerics: Numerics | None = None
+    notes: tuple[str, ...] = ()
 
     # ---- totals (what the CI gate compares) ------------------------------------
     @property
@@ -270,10 +273,9 @@ class AuditReport:
 
 def _distinct_seqs(g: Graph) -> list[tuple[str, tuple[str, ...]]]:
     """Ranks grouped by collective sequence (ranks lacking the graph show as ``[]`` when others have it)."""
-    by_seq: dict[tuple[str, ...], list[int]] = {}
-    for r, seq in g.collective_sequence_by_rank:
-        by_seq.setdefault(tuple(seq), []).append(r)
-    return [(",".join(map(str, rs)), seq) for seq, rs in by_seq.items()]
+    from .ranges import format_ranks, group_by
+
+    return [(format_ranks(rs), seq) for seq, rs in group_by(g.collective_sequence_by_rank)]
 
 
 def _to_plain(report: AuditReport) -> dict[str, Any]:
@@ -389,6 +391,7 @@ def report_from_json(data: dict[str, Any]) -> AuditReport:
         errors=tuple(data.get("errors", [])),
         stock=None if stock is None else report_from_json(stock),
         numerics=numerics,
+        notes=tuple(data.get("notes", ())),
     )
 
 
