@@ -45,17 +45,6 @@ def marker_line(marker: str) -> int:
     return next(n for n, line in enumerate(TARGET.read_text().splitlines(), 1) if marker in line)
 
 
-def merge_cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [PY, "-m", "dynamo_ext", "audit", "merge", *args],
-        cwd=REPO,
-        env=dict(os.environ, OMP_NUM_THREADS="1"),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-
-
 # ---- tier 1 ---------------------------------------------------------------------------
 def test_rank_identity_torchrun_slurm_and_none():
     env = {"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4", "GROUP_RANK": "1"}
@@ -126,11 +115,12 @@ def test_merge_names_missing_and_cut_short_ranks_by_host(tmp_path, capsys):
     assert rows["0\u20132"][:5] == ["2", "hosts", "(2", "nodes)", "ok"]  # hosts of a group are counted
     assert rows["5"][:4] == ["node002", "(node", "2)", "ok"]  # the outlier by rank and host
     assert rows["4"][:4] == ["node002", "(node", "2)", "died:"]
-    proc = merge_cli(str(d), "--quiet")
-    assert proc.returncode == 1
-    assert proc.stderr.splitlines() == ["dynamo-ext audit merge: gate: " + line for line in incomplete_ranks(report)], (
-        proc.stderr
-    )
+    from dynamo_ext.audit.cli import main as cli_main
+
+    assert cli_main(["audit", "merge", str(d), "--quiet"]) == 1
+    assert capsys.readouterr().err.splitlines() == [
+        "dynamo-ext audit merge: gate: " + line for line in incomplete_ranks(report)
+    ]
 
 
 def test_merge_of_1024_ranks_reads_as_ranges(tmp_path):
@@ -228,14 +218,15 @@ def _findings(data: dict) -> dict:
 
 
 @pytest.mark.gloo
-def test_two_node_collect_then_merge_equals_local_audit(launches):
+def test_two_node_collect_then_merge_equals_local_audit(launches, capsys):
     out, tmp = launches
     codes, logs, _ = out["two_node"]
     assert codes == [0, 0], logs
     codes, logs, _ = out["local"]
     assert codes == [0], logs
-    proc = merge_cli(str(tmp / "two_node"), "--json", str(tmp / "merged.json"), "--html", str(tmp / "merged.html"))
-    assert proc.returncode == 0, proc.stderr
+    code = merge_main([str(tmp / "two_node"), "--json", str(tmp / "merged.json"), "--html", str(tmp / "merged.html")])
+    stdout, stderr = capsys.readouterr()
+    assert code == 0, stderr
     merged = json.loads((tmp / "merged.json").read_text())
     local = json.loads((tmp / "local.json").read_text())
     assert _findings(merged) == _findings(local)
@@ -254,26 +245,27 @@ def test_two_node_collect_then_merge_equals_local_audit(launches):
     }
     assert [r["local_rank"] for r in merged["ranks"]] == [0, 1, 0, 1]
     # The outlier rank is its own row, the others one range.
-    assert "0, 1, 3 " in proc.stdout and "\n  2 " in proc.stdout
-    assert f"{socket.gethostname()} (node {nodes[2]})" in proc.stdout
+    assert "0, 1, 3 " in stdout and "\n  2 " in stdout
+    assert f"{socket.gethostname()} (node {nodes[2]})" in stdout
     html = (tmp / "merged.html").read_text()
     assert html.count('<tr class="rank-row">') == 4 and f"<td>{socket.gethostname()} (node {nodes[0]})</td>" in html
 
 
 @pytest.mark.gloo
-def test_slurm_variables_and_a_killed_rank(launches):
+def test_slurm_variables_and_a_killed_rank(launches, capsys):
     out, tmp = launches
     codes, logs, d = out["slurm"]
     assert codes[3] == -9, logs  # killed by SIGKILL
-    proc = merge_cli(str(d), "--json", str(tmp / "slurm.json"))
-    assert proc.returncode == 1, proc.stderr
+    code = merge_main([str(d), "--quiet", "--json", str(tmp / "slurm.json")])
+    stderr = capsys.readouterr().err
+    assert code == 1, stderr
     data = json.loads((tmp / "slurm.json").read_text())
     ranks = data["ranks"]
     assert [(r["rank"], r["local_rank"], r["node_rank"]) for r in ranks] == [(0, 0, 0), (1, 1, 0), (2, 0, 1), (3, 1, 1)]
     host = socket.gethostname()
     assert ranks[3]["status"] == "died" and ranks[3]["host"] == host
     assert ranks[3]["error"].startswith("rank file cut short after ")
-    gate = [line for line in proc.stderr.splitlines() if "rank 3 " in line]
+    gate = [line for line in stderr.splitlines() if "rank 3 " in line]
     assert gate == [f"dynamo-ext audit merge: gate: rank 3 (host {host}, node 1): died: {ranks[3]['error']}"]
     # The killed rank's findings were written before it died: the same as the local audit's.
     local = json.loads((tmp / "local.json").read_text())
@@ -281,12 +273,13 @@ def test_slurm_variables_and_a_killed_rank(launches):
 
 
 @pytest.mark.gloo
-def test_torch_trace_directory_lists_the_audits_breaks(launches):
+def test_torch_trace_directory_lists_the_audits_breaks(launches, capsys):
     out, tmp = launches
     codes, logs, d = out["trace"]
     assert codes == [0], logs
-    proc = merge_cli(str(d), "--json", str(tmp / "trace.json"))
-    assert proc.returncode == 0, proc.stderr
+    code = merge_main([str(d), "--json", str(tmp / "trace.json")])
+    stdout, stderr = capsys.readouterr()
+    assert code == 0, stderr
     data = json.loads((tmp / "trace.json").read_text())
     local = json.loads((tmp / "local.json").read_text())
     where = {(b["file"], b["line"], b["gb_type"]) for b in local["graph_breaks"]}
@@ -298,4 +291,4 @@ def test_torch_trace_directory_lists_the_audits_breaks(launches):
     }
     assert [r["status"] for r in data["ranks"]] == ["unknown", "unknown"]
     assert any("not in a trace: whether each rank finished" in n for n in data["notes"])
-    assert "note: not in a trace" in proc.stdout
+    assert "note: not in a trace" in stdout

@@ -218,7 +218,6 @@ def run_ranks(
         launcher_text = f.read()
     exit_codes = {int(r): int(c) for r, c in _FAILURE.findall(launcher_text)}
     root = _FAILURE.findall(launcher_text.partition("Root Cause")[2])
-    killed = {-int(signal.SIGTERM), -int(signal.SIGKILL)}
     statuses: dict[int, dict[str, Any]] = {}
     for r in range(nproc):
         p = progress[r]
@@ -237,7 +236,8 @@ def run_ranks(
                 "error": f"still running after {timeout:g} s (last event: {p.last})",
                 "log": log,
             }
-        elif (terminated or code in killed) and (exit_codes.keys() - {r}):
+        elif (terminated or code == -int(signal.SIGTERM)) and (exit_codes.keys() - {r}):
+            # SIGKILL without the Terminated record is not the launcher's doing (it sends SIGTERM first): died.
             statuses[r] = {
                 "status": "stopped",
                 "error": "stopped by the launcher after another rank failed",
@@ -246,13 +246,15 @@ def run_ranks(
         else:
             why = "no exit status" if code is None else f"exit code {code}" + (f" (signal {-code})" if code < 0 else "")
             statuses[r] = {"status": "died", "error": f"rank {r} ended without finishing ({why})", "log": log}
-    # The root cause first: torchrun's "first observed failure", else the earliest error.
+    # The root cause first: a rank that died (killed, or exited without a word: its peers' collectives then fail,
+    # so their errors are consequences), then torchrun's "first observed failure", else the earliest error.
     failed = sorted(
         (r for r, s in statuses.items() if s["status"] in ("error", "died")), key=lambda r: statuses[r].get("time", 0.0)
     )
     if root and int(root[0][0]) in failed:
         failed.remove(int(root[0][0]))
         failed.insert(0, int(root[0][0]))
+    failed.sort(key=lambda r: statuses[r]["status"] != "died")
     errors: list[str] = []
     if timed_out:
         hung = [r for r, s in statuses.items() if s["status"] == "timeout"]
