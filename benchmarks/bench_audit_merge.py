@@ -117,8 +117,10 @@ def main() -> int:
                 f"{n:5d} ranks ({size / 2**20:.1f} MiB of rank files): merge {t1 - t0:.2f} s, terminal report "
                 f"{t2 - t1:.2f} s, peak Python memory during merge {peak / 2**20:.1f} MiB"
             )
-        ranks_line = next(line for line in text.splitlines() if "ranks" in line.lower() and "ok" in line.lower())
-        print("report's ranks table, first row:", " ".join(ranks_line.split()))
+        rows = [
+            " ".join(line.split()) for line in text.split("\nRanks")[1].splitlines() if line[:3].strip()[:1].isdigit()
+        ]
+        print(f"report's ranks table ({len(rows)} rows):", " | ".join(rows))
         small, big = results[args.ranks // 8], results[args.ranks]
         print(
             f"ratio {args.ranks} / {args.ranks // 8} ranks: time {big[0] / small[0]:.1f}x, peak memory "

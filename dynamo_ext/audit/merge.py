@@ -116,10 +116,10 @@ class Merger:
                     info["graphs"] += 1
                     seqs[self._add_graph(rank, e)] += _sequence(e)
             elif ev == "start":
-                info["start"] = {k: v for k, v in e.items() if k not in ("ev", "plugin")}
+                info["start"] = {k: e.get(k) for k in ("host", "node_rank", "local_rank")}
                 self._plugin = self._plugin or dict(e.get("plugin", {}))
             elif ev == "end":
-                info["end"] = e
+                info["end"] = {"counters": e.get("counters", {})}
             elif ev == "error":
                 info["error"] = info["error"] or e["message"]
             elif ev == "numerics":

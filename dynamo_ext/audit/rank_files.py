@@ -159,7 +159,8 @@ def merge_dir(
         merger.add_rank(rank, rf)
         found[rank] = rf.status()
         if rf.header:
-            headers[rank] = rf.header
+            headers[rank] = {k: rf.header.get(k) for k in ("world_size", "host", "node_rank", "local_rank")}
+            headers[rank]["local_world_size"] = rf.header.get("local_world_size")
             target = target or str(rf.header.get("target", ""))
             torch_versions.add(str(rf.header.get("torch_version", "")))
         if rf.bad_lines:
