@@ -285,10 +285,40 @@ def test_torch_trace_directory_lists_the_audits_breaks(launches, capsys):
     where = {(b["file"], b["line"], b["gb_type"]) for b in local["graph_breaks"]}
     assert {(b["file"], b["line"], b["gb_type"]) for b in data["graph_breaks"]} == where
     assert [b["count_by_rank"] for b in data["graph_breaks"]] == [[[0, 2], [1, 2]]]
-    # Recompiles and graphs are in a trace too; what is not is said plainly.
-    assert {r["id"] for r in data["recompiles"]} == {
-        r["id"] for r in local["recompiles"] if 2 not in r["ranks"] or len(r["ranks"]) > 1
-    }
+    # Recompiles and graphs (with their collectives) are in a trace too: those of ranks 0 and 1 of the local run.
+    assert {r["id"] for r in data["recompiles"]} == {r["id"] for r in local["recompiles"] if 0 in r["ranks"]}
+    graphs = {g["id"]: (g["collectives"], g["op_count"]) for g in local["graphs"] if 0 in g["ranks"]}
+    assert {g["id"]: (g["collectives"], g["op_count"]) for g in data["graphs"]} == graphs
+    assert [["all_reduce", 1]] in [c for c, _ in graphs.values()]
     assert [r["status"] for r in data["ranks"]] == ["unknown", "unknown"]
     assert any("not in a trace: whether each rank finished" in n for n in data["notes"])
     assert "note: not in a trace" in stdout
+
+
+def _tlparse() -> str | None:
+    import shutil
+
+    here = Path(sys.executable).parent / "tlparse"
+    return str(here) if here.exists() else shutil.which("tlparse")
+
+
+@pytest.mark.gloo
+@pytest.mark.skipif(_tlparse() is None, reason="tlparse is not installed (pip install tlparse: the reference reader)")
+def test_tlparse_sees_the_same_breaks_in_the_trace(launches, tmp_path):
+    """tlparse (PyPI), the reference for what a TORCH_TRACE log holds, finds the breaks our reader finds."""
+    out, tmp = launches
+    d = out["trace"][2]
+    ours = merge_dir(str(d))
+    for rank, path in sorted((int(p.name.split("_rank_")[1].split("_")[0]), p) for p in d.iterdir()):
+        dest = tmp_path / f"tl{rank}"
+        subprocess.run([_tlparse(), str(path), "-o", str(dest), "--no-browser"], check=True, capture_output=True)
+        directory = json.loads((dest / "compile_directory.json").read_text())
+        theirs = set()
+        for entry in directory.values():
+            for art in entry["artifacts"]:
+                if art["name"].startswith("dynamo_graph_break_reason"):
+                    head = (dest / art["url"]).read_text().splitlines()[0]
+                    file, _, line = head.removeprefix("Graph break in user code at ").rpartition(":")
+                    theirs.add((os.path.relpath(file, REPO), int(line)))
+        mine = {(b.file, b.line) for b in ours.graph_breaks for r, n in b.count_by_rank if r == rank}
+        assert theirs == mine == {(REL, marker_line("BREAK_PRINT"))}
