@@ -31,8 +31,10 @@ launchers send the surviving ranks when one fails) still gives a complete
 file: a watcher thread woken by the signal (``signal.set_wakeup_fd``, which
 works while the main thread is blocked inside a collective) writes an
 ``error`` (type ``Terminated``) and the ``end`` line with status 143, then
-ends the process at once, as SIGTERM would have.  A target that installs its
-own SIGTERM handler keeps it (the watcher then does nothing).
+ends the process at once, as SIGTERM would have.  SIGUSR1 adds a ``stack``
+event (where the main thread is) and the rank goes on.  A target that
+installs its own handler for either signal keeps it (the watcher then does
+nothing for that signal).
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ from collections.abc import MutableMapping
 from typing import Any
 
 from .collector import Collector, JsonlSink, dynamo_counters
-from .identity import is_torch_file, normalize_path, target_root
+from .identity import is_torch_file, normalize_path, target_root, user_frame_index
 
 EXIT_TARGET_FAILED = 1
 EXIT_BAD_INPUT = 2
@@ -59,11 +61,20 @@ EXIT_PLUGIN_FAILED = 3
 EXIT_TERMINATED = 128 + int(signal.SIGTERM)
 
 
-class _TermWatch:
-    """On SIGTERM: ``on_term()`` (writes the last records), then exit 143 at once (NOTE [rank file])."""
+class _SignalWatch:
+    """A thread woken by signals through ``signal.set_wakeup_fd`` (it runs while the main thread is blocked in C).
 
-    def __init__(self, on_term: Any) -> None:
+    SIGTERM: ``on_term()`` (writes the last records), then exit 143 at once
+    (NOTE [rank file]).  SIGUSR1: ``on_stack(frame)`` with the main thread's
+    current frame (the launcher asks a rank that has not finished where it is,
+    NOTE [hung rank] in :mod:`.launch`); the rank goes on.
+    """
+
+    SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+    def __init__(self, on_term: Any, on_stack: Any) -> None:
         self.on_term = on_term
+        self.on_stack = on_stack
         self.active = False
         if threading.current_thread() is not threading.main_thread():
             return
@@ -73,13 +84,15 @@ class _TermWatch:
             previous_fd = signal.set_wakeup_fd(w, warn_on_full_buffer=False)
         except ValueError:
             return
-        if previous_fd != -1:  # someone else (asyncio) listens there: leave SIGTERM as it is
+        if previous_fd != -1:  # someone else (asyncio) listens there: leave the signals as they are
             signal.set_wakeup_fd(previous_fd)
             return
         self._read, self._write = r, w
-        self._previous = signal.signal(signal.SIGTERM, _ignore)  # a Python handler makes C write to the fd
+        self._main = threading.main_thread().ident
+        # A Python handler makes C write the signal number to the fd.
+        self._previous = {sig: signal.signal(sig, _ignore) for sig in self.SIGNALS}
         self.active = True
-        threading.Thread(target=self._run, name="dynamo-ext-audit-sigterm", daemon=True).start()
+        threading.Thread(target=self._run, name="dynamo-ext-audit-signals", daemon=True).start()
 
     def _run(self) -> None:
         while True:
@@ -89,6 +102,10 @@ class _TermWatch:
                 return
             if not data:
                 return
+            if int(signal.SIGUSR1) in data and signal.getsignal(signal.SIGUSR1) is _ignore:
+                frame = sys._current_frames().get(self._main)
+                if frame is not None:
+                    self.on_stack(frame)
             if int(signal.SIGTERM) in data and signal.getsignal(signal.SIGTERM) is _ignore:
                 try:
                     self.on_term()
@@ -98,10 +115,28 @@ class _TermWatch:
     def close(self) -> None:
         if self.active and threading.current_thread() is threading.main_thread():
             signal.set_wakeup_fd(-1)
-            if signal.getsignal(signal.SIGTERM) is _ignore:
-                signal.signal(signal.SIGTERM, self._previous)
+            for sig, previous in self._previous.items():
+                if signal.getsignal(sig) is _ignore:
+                    signal.signal(sig, previous)
             os.close(self._write)
             self.active = False
+
+
+def stack_event(frame: Any, root: str | None) -> dict[str, Any]:
+    """A ``stack`` event: where the main thread is (outermost first), the user's line, and whether it waits in
+    torch.distributed (a collective, a barrier, a store)."""
+    frames = [
+        [normalize_path(f.filename, root=root), f.lineno or 0, f.name, (f.line or "").strip()]
+        for f in traceback.extract_stack(frame)
+        if f.filename != __file__ and not f.filename.endswith(("runpy.py", "<frozen runpy>"))
+    ]
+    files = [f[0] for f in frames]
+    return {
+        "ev": "stack",
+        "stack": frames,
+        "user_index": user_frame_index(files) if frames else 0,
+        "in_distributed": any(f.startswith("torch/distributed/") for f in files),
+    }
 
 
 def _ignore(signum: int, frame: Any) -> None:
@@ -403,7 +438,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         collector.record({"ev": "end", "counters": {}, "status": EXIT_TERMINATED})
 
-    watch = _TermWatch(on_term)
+    watch = _SignalWatch(on_term, lambda frame: collector.record(stack_event(frame, root)))
     collector.start()
     try:
         if is_function_target(ns.target):

@@ -54,6 +54,7 @@ class RankProgress:
     pid: int = 0
     last: str = "nothing"
     error: dict[str, Any] | None = None
+    stack: dict[str, Any] | None = None
 
 
 class _Tail:
@@ -118,6 +119,64 @@ def _reap(pids: list[int]) -> None:
                 continue
     while any(_alive_and_ours(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.05)
+
+
+# NOTE [hung rank]
+# On a timeout, before the ranks are stopped, each unfinished rank gets
+# SIGUSR1: its collect watcher thread records where the main thread is (a
+# ``stack`` event, taken with ``sys._current_frames`` so it works while the
+# rank is blocked inside a collective).  A rank whose stack is not inside
+# torch.distributed is the hung one (user code that never reaches the next
+# collective); ranks inside torch.distributed wait for it.  When every rank
+# waits in torch.distributed, they wait on collectives that do not match.
+ASK_WHERE_S = 5.0
+
+
+def _ask_where(progress: dict[int, RankProgress], poll: Callable[[], None]) -> None:
+    """SIGUSR1 to every started, unfinished rank; wait until each recorded its stack (NOTE [hung rank])."""
+    asked = [p for p in progress.values() if p.pid and not p.done and _alive_and_ours(p.pid)]
+    for p in asked:
+        try:
+            os.kill(p.pid, signal.SIGUSR1)
+        except ProcessLookupError:
+            continue
+    deadline = time.monotonic() + ASK_WHERE_S
+    while any(p.stack is None for p in asked) and time.monotonic() < deadline:
+        time.sleep(0.1)
+        poll()
+
+
+def _where(p: RankProgress) -> str:
+    """Where an unfinished rank is, in words (NOTE [hung rank])."""
+    if p.stack is None:
+        return f"position unknown (last event: {p.last})"
+    frames = p.stack["stack"]
+    file, line, function, source = frames[min(int(p.stack.get("user_index", 0)), len(frames) - 1)]
+    at = f"at {file}:{line} in {function}" + (f" ({source})" if source else "")
+    if p.stack.get("in_distributed"):
+        inner = next((f for f in reversed(frames) if f[0].startswith("torch/distributed/")), frames[-1])
+        return f"waiting in torch.distributed ({inner[2]}) {at}"
+    return f"hung {at}"
+
+
+def _timeout_line(progress: dict[int, RankProgress], ranks: list[int], timeout: float) -> str:
+    """``timeout: rank 1 hung at ...; rank(s) 0 waiting in torch.distributed ...`` (NOTE [hung rank])."""
+    if not ranks:
+        return f"timeout: after {timeout:g} s; killed"
+
+    def waits(r: int) -> bool | None:
+        st = progress[r].stack
+        return None if st is None else bool(st.get("in_distributed"))
+
+    hung = [r for r in ranks if waits(r) is False]
+    waiting = [r for r in ranks if waits(r)]
+    parts = [f"rank {r} {_where(progress[r])}" for r in hung]
+    if hung and waiting:
+        parts.append(f"rank(s) {', '.join(map(str, waiting))} waiting in torch.distributed")
+    else:  # no rank outside torch.distributed: collectives that do not match, each rank where it waits
+        parts += [f"rank {r} {_where(progress[r])}" for r in waiting]
+    parts += [f"rank {r} {_where(progress[r])}" for r in ranks if waits(r) is None]
+    return f"timeout: after {timeout:g} s: " + "; ".join(parts) + "; killed"
 
 
 def _rank_logs(log_dir: str, rank: int) -> str:
@@ -190,6 +249,8 @@ def run_ranks(
                     p.error = p.error or e
                 elif ev == "end":
                     p.done = True
+                elif ev == "stack":
+                    p.stack = e
         if on_progress is not None:
             on_progress(progress)
 
@@ -205,6 +266,7 @@ def run_ranks(
                 poll()
                 if time.monotonic() > deadline:
                     timed_out = True
+                    _ask_where(progress, poll)
                     _kill_tree(proc, pids)
                     break
                 time.sleep(0.2)
@@ -231,11 +293,7 @@ def run_ranks(
         elif p.done and not terminated:
             statuses[r] = {"status": "ok", "log": log}
         elif timed_out:
-            statuses[r] = {
-                "status": "timeout",
-                "error": f"still running after {timeout:g} s (last event: {p.last})",
-                "log": log,
-            }
+            statuses[r] = {"status": "timeout", "error": f"still running after {timeout:g} s, {_where(p)}", "log": log}
         elif (terminated or code == -int(signal.SIGTERM)) and (exit_codes.keys() - {r}):
             # SIGKILL without the Terminated record is not the launcher's doing (it sends SIGTERM first): died.
             statuses[r] = {
@@ -257,10 +315,7 @@ def run_ranks(
     failed.sort(key=lambda r: statuses[r]["status"] != "died")
     errors: list[str] = []
     if timed_out:
-        hung = [r for r, s in statuses.items() if s["status"] == "timeout"]
-        errors.append(
-            f"timeout: rank(s) {', '.join(map(str, hung)) or '?'} did not finish within {timeout:g} s; killed"
-        )
+        errors.append(_timeout_line(progress, [r for r, s in statuses.items() if s["status"] == "timeout"], timeout))
     if interrupted:
         errors.append("interrupted; ranks killed")
     for r in failed:
