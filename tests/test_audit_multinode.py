@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -142,6 +143,36 @@ def test_merge_bad_input_exits_2(tmp_path, capsys):
     assert merge_main([str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert "holds no rank files (rank<R>.jsonl" in err and "no TORCH_TRACE logs" in err
+
+
+def test_signals_stack_then_sigterm_leave_a_complete_rank_file(tmp_path):
+    """SIGUSR1: where the main thread is, and the rank goes on; SIGTERM: Terminated and the end line, exit 143."""
+    script = tmp_path / "sleeper.py"
+    script.write_text('import time\nprint("ready", flush=True)\ntime.sleep(120)  # SLEEPS\n')
+    cmd = [PY, "-m", "dynamo_ext.audit.collect", "--no-plugin", "--out", str(tmp_path / "out"), str(script)]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "SLURM_PROCID")}
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        rank_file = tmp_path / "out" / "rank0.jsonl"
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGUSR1)
+        deadline = time.monotonic() + 30
+        while '"ev": "stack"' not in rank_file.read_text() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 143
+    finally:
+        proc.kill()
+        proc.wait()
+    events = [json.loads(line) for line in rank_file.read_text().splitlines()]
+    assert [e["ev"] for e in events] == ["start", "stack", "error", "end"]
+    # Where the main thread is: in the sleep, or (on a loaded machine) still returning from the print before it.
+    file, line, function, _ = events[1]["stack"][events[1]["user_index"]]
+    assert (file.endswith("sleeper.py"), line in (2, 3), function) == (True, True, "<module>"), events[1]
+    assert events[1]["in_distributed"] is False
+    assert (events[2]["type"], events[3]["status"]) == ("Terminated", 143)
+    assert merge_dir(str(tmp_path / "out")).ranks[0].status == "stopped"
 
 
 # ---- tier 2: one batch of real launches --------------------------------------------------

@@ -89,10 +89,26 @@ class _SignalWatch:
             return
         self._read, self._write = r, w
         self._main = threading.main_thread().ident
-        # A Python handler makes C write the signal number to the fd.
-        self._previous = {sig: signal.signal(sig, _ignore) for sig in self.SIGNALS}
+        self._once = threading.Lock()
+        # A Python handler makes C write the signal number to the fd; it also runs in the main thread once that
+        # thread runs Python again, which covers SIGTERM if someone (asyncio) takes the wakeup fd later.
+        self._handler = self._on_signal
+        self._previous = {sig: signal.signal(sig, self._handler) for sig in self.SIGNALS}
         self.active = True
         threading.Thread(target=self._run, name="dynamo-ext-audit-signals", daemon=True).start()
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        if signum == signal.SIGTERM:
+            # Not here: the main thread may be inside Collector.record, holding its lock.
+            threading.Thread(target=self._terminate, daemon=True).start()
+
+    def _terminate(self) -> None:
+        if not self._once.acquire(blocking=False):
+            return  # the other thread is writing the last records and will exit
+        try:
+            self.on_term()
+        finally:
+            os._exit(EXIT_TERMINATED)
 
     def _run(self) -> None:
         while True:
@@ -102,21 +118,18 @@ class _SignalWatch:
                 return
             if not data:
                 return
-            if int(signal.SIGUSR1) in data and signal.getsignal(signal.SIGUSR1) is _ignore:
+            if int(signal.SIGUSR1) in data and signal.getsignal(signal.SIGUSR1) is self._handler:
                 frame = sys._current_frames().get(self._main)
                 if frame is not None:
                     self.on_stack(frame)
-            if int(signal.SIGTERM) in data and signal.getsignal(signal.SIGTERM) is _ignore:
-                try:
-                    self.on_term()
-                finally:
-                    os._exit(EXIT_TERMINATED)
+            if int(signal.SIGTERM) in data and signal.getsignal(signal.SIGTERM) is self._handler:
+                self._terminate()
 
     def close(self) -> None:
         if self.active and threading.current_thread() is threading.main_thread():
             signal.set_wakeup_fd(-1)
             for sig, previous in self._previous.items():
-                if signal.getsignal(sig) is _ignore:
+                if signal.getsignal(sig) is self._handler:
                     signal.signal(sig, previous)
             os.close(self._write)
             self.active = False
@@ -137,10 +150,6 @@ def stack_event(frame: Any, root: str | None) -> dict[str, Any]:
         "user_index": user_frame_index(files) if frames else 0,
         "in_distributed": any(f.startswith("torch/distributed/") for f in files),
     }
-
-
-def _ignore(signum: int, frame: Any) -> None:
-    """The main thread's SIGTERM handler: the watcher thread does the work."""
 
 
 def rank_identity(environ: MutableMapping[str, str] | None = None) -> dict[str, Any]:
