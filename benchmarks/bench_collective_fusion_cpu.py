@@ -3,11 +3,14 @@
     python benchmarks/bench_collective_fusion_cpu.py [--ranks 4] [--iters 30] [--rounds 5]
 
 Spawns ``--ranks`` gloo processes on loopback (one thread each).  Every rank compiles
-each workload twice with ``backend="inductor"`` and the plugin installed: once with our
-passes on, once with them off (then Inductor sees the stock graph and our lowerings never
-fire: stock Inductor).  Dynamo keeps both compiled versions (two code objects), so the
-timed rounds alternate ours / stock to cancel drift; a step's time is the slowest
-rank's, the figure is the median over rounds.
+each workload three times with ``backend="inductor"`` and the plugin installed: with our
+passes on; with them off (then Inductor sees the stock graph and our lowerings never
+fire: stock Inductor); and with ours off and stock Inductor's own opt-in bucketing
+passes on (``torch._inductor.config.bucket_all_reduces_fx = "all"``,
+``bucket_all_gathers_fx = "all"``, ``bucket_reduce_scatters_fx = "all"``: the post-grad
+passes of ``torch/_inductor/fx_passes/bucketing.py``).  Dynamo keeps every compiled
+version (one code object each), so the timed rounds alternate between them to cancel
+drift; a step's time is the slowest rank's, the figure is the median over rounds.
 
 Before that, in this process on the fake process group (whose all-reduce does nothing),
 the same epilogue is timed alone: the compute fusion 1 changes on the CPU, without
@@ -18,7 +21,14 @@ Workloads:
 - ``tp_block``: 2 x (column-parallel linear, SiLU, row-parallel linear, all-reduce,
   residual add, RMSNorm), the tensor-parallel MLP step;
 - ``grads``: N independent gradient all-reduces of 1-64 KiB each (scaled by 1/world),
-  bucketed vs not; also the number of collective calls each version issues per step.
+  bucketed vs not; also the number of collective calls each version issues per step;
+- ``backward``: a hand-written backward of an N-layer tanh MLP (loss = sum of the
+  output) whose layer gradients are all-reduced as soon as each is computed, with the
+  next layer's backward matmuls between them: unbucketed, each all-reduce overlaps the
+  compute after it (gloo runs it on its own thread); bucketed, the early ones wait for
+  their bucket's last member, and the overlap is given up for fewer calls;
+- ``ag_rs``: N independent dim-0 all-gathers and N reduce-scatters of small shards
+  (FSDP-style), bucketed vs not.
 """
 
 from __future__ import annotations
@@ -68,35 +78,73 @@ def sync_grads(*grads):
     return [funcol.all_reduce(g * scale, "sum", dist.group.WORLD.group_name) for g in grads]
 
 
+def mlp_backward(x, *weights):
+    """Forward and hand-written backward of ``tanh(h @ w)`` layers; each weight gradient all-reduced at once."""
+    import torch.distributed._functional_collectives as funcol
+
+    group, scale = dist.group.WORLD.group_name, 1.0 / dist.get_world_size()
+    acts = [x]
+    for w in weights:
+        acts.append(torch.tanh(acts[-1] @ w))
+    grad, grads = torch.ones_like(acts[-1]), []
+    for i in reversed(range(len(weights))):
+        grad = grad * (1 - acts[i + 1] * acts[i + 1])
+        grads.append(funcol.all_reduce((acts[i].t() @ grad) * scale, "sum", group))
+        grad = grad @ weights[i].t()
+    return grads
+
+
+def gather_and_scatter(*shards):
+    """N all-gathers of parameter shards and N reduce-scatters of full gradients (dim 0), independent."""
+    import torch.distributed._functional_collectives as funcol
+
+    group, n = dist.group.WORLD.group_name, len(shards) // 2
+    gathered = [funcol.all_gather_tensor(s, 0, group) for s in shards[:n]]
+    scattered = [funcol.reduce_scatter_tensor(g, "sum", 0, group) for g in shards[n:]]
+    return gathered, scattered
+
+
+VARIANTS = ("ours", "stock", "stock_bucketing")
+
+
 def _twin(fn: Callable[..., Any], suffix: str) -> Callable[..., Any]:
     """A copy of ``fn`` with its own code object, so Dynamo caches it separately."""
     code = fn.__code__.replace(co_name=fn.__name__ + suffix)
     return types.FunctionType(code, fn.__globals__, fn.__name__ + suffix, fn.__defaults__, fn.__closure__)
 
 
-def _compile_both(fn: Callable[..., Any], args: tuple[Any, ...]) -> dict[str, Callable[..., Any]]:
+def _compile_variants(
+    fn: Callable[..., Any], args: tuple[Any, ...], names: tuple[str, ...] = VARIANTS
+) -> dict[str, Callable[..., Any]]:
+    """``fn`` compiled three ways (:data:`VARIANTS`): our passes; none; stock Inductor's bucketing passes."""
+    from dynamo_ext.inductor_lowerings import _compat
     from dynamo_ext.inductor_lowerings.options import options
 
+    fields = ("residual_rms_norm", "bucket_all_reduces", "bucket_all_gathers_reduce_scatters")
+    stock_passes = {"bucket_all_reduces_fx": "all", "bucket_all_gathers_fx": "all", "bucket_reduce_scatters_fx": "all"}
     out = {}
-    for name, on in (("ours", True), ("stock", False)):
+    for name in names:
         compiled = torch.compile(_twin(fn, "_" + name), backend="inductor")
-        saved = (options.residual_rms_norm, options.bucket_all_reduces)
-        options.residual_rms_norm = options.bucket_all_reduces = on
+        saved = tuple(getattr(options, f) for f in fields)
+        for f in fields:
+            setattr(options, f, name == "ours")
         try:
-            compiled(*args)  # compile now, under these options
+            with _compat.inductor_config().patch(stock_passes if name == "stock_bucketing" else {}):
+                compiled(*args)  # compile now, under these settings
         finally:
-            options.residual_rms_norm, options.bucket_all_reduces = saved
+            for f, v in zip(fields, saved):
+                setattr(options, f, v)
         out[name] = compiled
     return out
 
 
 def _collective_calls(fn: Callable[..., Any], args: tuple[Any, ...]) -> int:
-    """All-reduces one call of ``fn`` issues, counted by the profiler (it sees compiled code too)."""
+    """Collectives one call of ``fn`` issues, counted by the profiler (it sees compiled code too)."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         fn(*args)
-    return sum(1 for e in prof.events() if e.name.startswith("_c10d_functional::all_reduce"))
+    return sum(1 for e in prof.events() if e.name.startswith("_c10d_functional::") and "wait_tensor" not in e.name)
 
 
 def _time(fn: Callable[..., Any], args: tuple[Any, ...], iters: int) -> float:
@@ -126,6 +174,14 @@ def _workloads(rank: int, world: int, grads_n: int) -> list[tuple[str, Callable[
     sizes = [int(256 * 64 ** (i / (grads_n - 1))) // 16 * 16 for i in range(grads_n)]
     grads = tuple(torch.randn(s, generator=g) for s in sizes)
     out.append((f"grads {grads_n} x 1-64 KiB fp32", sync_grads, grads))
+    layers, width, batch = 16, 256, 64
+    x = torch.randn(batch, width, generator=g)
+    weights = tuple(torch.randn(width, width, generator=g) / width**0.5 for _ in range(layers))
+    out.append((f"backward {layers} x {width}x{width} fp32", mlp_backward, (x, *weights)))
+    n = 16
+    shards = tuple(torch.randn(64 * (1 + i % 4), 64, generator=g) for i in range(n))
+    fulls = tuple(torch.randn(world * 64 * (1 + i % 4), 64, generator=g) for i in range(n))
+    out.append((f"ag_rs {n}+{n} x 16-64 KiB fp32", gather_and_scatter, (*shards, *fulls)))
     return out
 
 
@@ -142,15 +198,21 @@ def _rank_main(rank: int, world: int, port: int, iters: int, rounds: int, grads_
 
     dynamo_ext.install()
     rows = []
+    only = [p for p in os.environ.get("DYNAMO_EXT_BENCH_ONLY", "").split(",") if p]
     for name, fn, args in _workloads(rank, world, grads_n):
-        both = _compile_both(fn, args)
-        calls = {k: _collective_calls(f, args) for k, f in both.items()}
-        times: dict[str, list[float]] = {"ours": [], "stock": []}
+        if only and not any(name.startswith(p) for p in only):
+            continue
+        variants = _compile_variants(fn, args)
+        want = variants["stock"](*args)
+        for k in ("ours", "stock_bucketing"):  # the same numbers (fp32: the bucketed sums may round differently)
+            torch.testing.assert_close(variants[k](*args), want, rtol=1e-5, atol=1e-5, msg=f"{name}: {k} vs stock")
+        calls = {k: _collective_calls(f, args) for k, f in variants.items()}
+        times: dict[str, list[float]] = {k: [] for k in VARIANTS}
         for _ in range(rounds):
-            for k in ("ours", "stock"):
-                times[k].append(_time(both[k], args, iters))
+            for k in VARIANTS:
+                times[k].append(_time(variants[k], args, iters))
         med = {k: statistics.median(v) for k, v in times.items()}
-        rows.append((name, med["ours"], med["stock"], calls["ours"], calls["stock"]))
+        rows.append((name, med, calls))
     if rank == 0:
         queue.put(rows)
     dist.destroy_process_group()
@@ -175,7 +237,7 @@ def _compute_only(iters: int, rounds: int) -> list[tuple[str, float, float]]:
         ):
             args = tuple(torch.randn(s, generator=g).to(dtype) for s in ((tokens, hidden), (tokens, hidden), (hidden,)))
             args = (*args, dist.group.WORLD.group_name)
-            both = _compile_both(epilogue, args)
+            both = _compile_variants(epilogue, args, ("ours", "stock"))
             times: dict[str, list[float]] = {"ours": [], "stock": []}
             for _ in range(rounds):
                 for k, f in both.items():
@@ -201,8 +263,11 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=20, help="steps per timed round")
     parser.add_argument("--rounds", type=int, default=5, help="alternating ours/stock rounds (median taken)")
     parser.add_argument("--grads", type=int, default=32, help="number of small gradient all-reduces")
+    parser.add_argument("--skip-compute-only", action="store_true", help="only the gloo workloads")
+    parser.add_argument("--only", default="", help="comma-separated workload name prefixes (default: all)")
     a = parser.parse_args()
-    compute = _compute_only(a.iters, a.rounds)
+    os.environ["DYNAMO_EXT_BENCH_ONLY"] = a.only
+    compute = [] if a.skip_compute_only else _compute_only(a.iters, a.rounds)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -225,12 +290,18 @@ def main() -> None:
     print(f"{'workload':40s} {'ours ms':>9s} {'stock ms':>9s} {'stock/ours':>10s}")
     for name, ours, stock in compute:
         print(f"{name:40s} {ours * 1e3:9.3f} {stock * 1e3:9.3f} {stock / ours:9.2f}x")
-    print(f"\n[{a.ranks} gloo ranks]")
+    print(f"\n[{a.ranks} gloo ranks; stock+b: stock Inductor with its own bucket_*_fx passes on]")
     print(
-        f"{'workload':40s} {'ours ms':>9s} {'stock ms':>9s} {'stock/ours':>10s} {'calls ours':>10s} {'calls stock':>11s}"
+        f"{'workload':40s} {'ours ms':>9s} {'stock ms':>9s} {'stock+b ms':>10s} {'stock/ours':>10s} "
+        f"{'stock+b/ours':>12s} {'calls ours/stock/stock+b':>24s}"
     )
-    for name, ours, stock, c_ours, c_stock in rows:
-        print(f"{name:40s} {ours * 1e3:9.3f} {stock * 1e3:9.3f} {stock / ours:9.2f}x {c_ours:10d} {c_stock:11d}")
+    for name, med, calls in rows:
+        ours, stock, stock_b = (med[k] for k in VARIANTS)
+        counts = "/".join(str(calls[k]) for k in VARIANTS)
+        print(
+            f"{name:40s} {ours * 1e3:9.3f} {stock * 1e3:9.3f} {stock_b * 1e3:10.3f} {stock / ours:9.2f}x "
+            f"{stock_b / ours:11.2f}x {counts:>24s}"
+        )
 
 
 if __name__ == "__main__":

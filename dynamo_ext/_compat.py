@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import functools
 import importlib
+import inspect
+import threading
 from typing import Any
 
 import torch
@@ -184,6 +186,84 @@ def graph_break_being_logged() -> BaseException | None:
     return sys.exc_info()[1]
 
 
+# Structured-trace event -> the local of the frame that logged it holding the GraphModule.
+_LOGGED_GRAPH_LOCALS = {
+    "dynamo_output_graph": ("gm",),
+    "aot_forward_graph": ("fw_module",),
+    "aot_inference_graph": ("fw_module",),
+    "aot_backward_graph": ("bw_module",),
+}
+
+
+def graph_module_being_logged(trace_name: str) -> tuple[Any, int | None]:
+    """The ``GraphModule`` (and AOTAutograd's ``aot_id``) whose text ``trace_structured(trace_name)`` is logging.
+
+    Called from a log handler on ``torch.__trace``: read from the locals of the
+    frame that called ``trace_structured`` (Dynamo's ``compile_and_call_fx_graph``:
+    ``gm``; AOTAutograd's ``_log_fw_bw_graphs``: ``fw_module``/``bw_module``;
+    ``aot_dispatch_base_graph``: ``fw_module``), so the graph is seen exactly as
+    logged and nothing is recompiled.  ``(None, None)`` when that frame or local
+    is not there (a cache hit logs only text; another torch release names them
+    differently).
+    """
+    import sys
+
+    names = _LOGGED_GRAPH_LOCALS.get(trace_name, ())
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_code.co_name != "trace_structured":
+        frame = frame.f_back
+    caller = frame.f_back if frame is not None else None
+    if caller is None:
+        return None, None
+    loc = caller.f_locals
+    gm = next((loc[n] for n in names if isinstance(loc.get(n), torch.fx.GraphModule)), None)
+    aot_id = getattr(loc.get("aot_config"), "aot_id", None)
+    return gm, aot_id if isinstance(aot_id, int) else None
+
+
+def root_mesh(mesh: Any) -> Any:
+    """The root ``DeviceMesh`` a submesh was sliced from (``DeviceMesh._get_root_mesh``), else ``mesh``."""
+    get = getattr(mesh, "_get_root_mesh", None)
+    return get() if callable(get) else mesh
+
+
+def process_group_info(group_name: str) -> tuple[int, list[int]]:
+    """(size, global ranks) of the process group registered as ``group_name``; ``(0, [])`` when unknown here."""
+    import torch.distributed as dist
+
+    try:
+        from torch.distributed.distributed_c10d import _resolve_process_group
+
+        pg = _resolve_process_group(group_name)
+        return pg.size(), list(dist.get_process_group_ranks(pg))
+    except Exception:
+        return 0, []
+
+
+def estimate_collective_ms(node: Any, *, intra_bw: float | None = None, inter_bw: float | None = None) -> float | None:
+    """``torch._inductor.comm_analysis``'s NCCL time estimate (ms) of an FX collective node; ``None`` if it cannot.
+
+    Its analytical model (NCCL's tuning.cc), not the NCCL simulator;
+    ``intra_bw``/``inter_bw`` (GB/s) replace ``torch._inductor.config.intra_node_bw``/``inter_node_bw``.
+    """
+    try:
+        from torch._inductor import comm_analysis
+        from torch._inductor import config as inductor_config
+
+        patch = {
+            k: int(v) if float(v).is_integer() else v
+            for k, v in (("intra_node_bw", intra_bw), ("inter_node_bw", inter_bw))
+            if v is not None
+        }
+        estimate = comm_analysis.estimate_nccl_collective_runtime_from_fx_node
+        with inductor_config.patch(patch):
+            if "use_nccl_estimator" in inspect.signature(estimate).parameters:
+                return float(estimate(node, use_nccl_estimator=False))  # no CUDA: the analytical model
+            return float(estimate(node))
+    except Exception:
+        return None
+
+
 class _FreshBackend:
     """A ``torch.compile`` backend equal to no other: Dynamo reuses no cache entry made by another call."""
 
@@ -322,3 +402,46 @@ def torch_dispatch_mode_base() -> type:
     from torch.utils._python_dispatch import TorchDispatchMode
 
     return TorchDispatchMode
+
+
+# ---- guard soundness (issue 9, item 3) ----------------------------------------
+def mesh_group_names(mesh: Any) -> tuple[str, ...] | None:
+    """The names of a ``DeviceMesh``'s per-axis process groups (``mesh._dim_group_names``), ``None`` without them.
+
+    These are the names functional collectives over the mesh bake into a graph;
+    a mesh built with ``_init_backend=False`` has none.  Present on 2.11 to 2.15.
+    """
+    names = getattr(mesh, "_dim_group_names", None)
+    return None if names is None else tuple(names)
+
+
+def compile_lock() -> Any:
+    """Dynamo's compile lock (``torch._dynamo.convert_frame.compile_lock``, a ``threading.RLock``).
+
+    Held by Dynamo while it compiles a frame and by ``torch._dynamo.reset()``;
+    ``dynamo_ext.install()`` holds it while patching so no frame is traced half
+    patched.  On 2.11 to 2.15; a private lock of our own where absent.
+    """
+    from torch._dynamo import convert_frame
+
+    return getattr(convert_frame, "compile_lock", _FALLBACK_COMPILE_LOCK)
+
+
+_FALLBACK_COMPILE_LOCK = threading.RLock()
+
+
+def dtensor_rejects_mixed_partials() -> bool:
+    """Whether eager DTensor refuses mixed ``Partial`` reduce ops in one placement list.
+
+    ``torch.distributed.tensor._utils.assert_no_mixed_partial_types`` (called by
+    ``distribute_tensor`` and ``DTensor.from_local`` where it exists).
+    """
+    return optional_attr("torch.distributed.tensor._utils", "assert_no_mixed_partial_types") is not None
+
+
+def global_state_source() -> Any:
+    """Dynamo's ``GlobalStateSource()``: the source of guards on global state (grad mode, default device).
+
+    In ``torch._dynamo.source`` on 2.11 to 2.15.
+    """
+    return _source.GlobalStateSource()

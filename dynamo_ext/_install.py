@@ -6,6 +6,14 @@ handlers and Inductor lowerings, and records every change in
 :data:`dynamo_ext._patching.PATCHES`.  ``uninstall()`` undoes all of it.  Both
 reset Dynamo's caches so no frame compiled under one regime runs under the
 other.
+
+NOTE [install under threads]
+``install()`` and ``uninstall()`` patch and reset while holding Dynamo's
+compile lock (``_compat.compile_lock()``), so a frame another thread is
+compiling is traced wholly with or wholly without the plugin.  ``enabled()``
+blocks are counted: the plugin stays installed until the last block that
+installed it (in any thread) exits, so one thread's block never uninstalls
+under another's.  An explicit ``uninstall()`` takes effect at once.
 """
 
 from __future__ import annotations
@@ -16,8 +24,10 @@ from collections.abc import Iterator
 
 from ._patching import PATCHES
 
-_lock = threading.Lock()
+_lock = threading.RLock()
 _installed = False
+_by_enabled = False  # installed by an enabled() block (not by install())
+_enabled_depth = 0  # enabled() blocks open now that count on the plugin staying installed
 
 
 def is_installed() -> bool:
@@ -31,17 +41,22 @@ def install() -> None:
     Raises:
         ImportError: torch is older than 2.11 or lacks ``torch.distributed``.
     """
-    global _installed
     with _lock:
-        if _installed:
-            return
-        import torch
-        import torch.distributed as dist
+        _install()
 
-        if not dist.is_available():
-            raise ImportError("dynamo-ext needs a torch build with torch.distributed (dist.is_available() is False)")
-        from . import guards, inductor_lowerings, variables
 
+def _install() -> None:
+    global _installed
+    if _installed:
+        return
+    import torch
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        raise ImportError("dynamo-ext needs a torch build with torch.distributed (dist.is_available() is False)")
+    from . import _compat, guards, inductor_lowerings, variables
+
+    with _compat.compile_lock():  # NOTE [install under threads]
         try:
             variables.install(PATCHES)
             guards.install(PATCHES)
@@ -55,12 +70,21 @@ def install() -> None:
 
 def uninstall() -> None:
     """Undo every change :func:`install` made.  A no-op when not installed."""
-    global _installed
+    global _by_enabled
     with _lock:
-        if not _installed:
-            return
-        import torch
+        _by_enabled = False
+        _uninstall()
 
+
+def _uninstall() -> None:
+    global _installed
+    if not _installed:
+        return
+    import torch
+
+    from . import _compat
+
+    with _compat.compile_lock():  # NOTE [install under threads]
         PATCHES.undo_all()
         torch._dynamo.reset()
         _installed = False
@@ -68,11 +92,23 @@ def uninstall() -> None:
 
 @contextlib.contextmanager
 def enabled() -> Iterator[None]:
-    """Install the plugin for the duration of a ``with`` block (if it was not already)."""
-    was = is_installed()
-    install()
+    """Install the plugin for the duration of a ``with`` block (if it was not already).
+
+    Blocks nest and may be open in several threads at once: the plugin is
+    uninstalled when the last block exits, and only if a block installed it
+    (not :func:`install`).  Raises as :func:`install` does.
+    """
+    global _by_enabled, _enabled_depth
+    with _lock:
+        if not _installed:
+            _install()
+            _by_enabled = True
+        _enabled_depth += 1
     try:
         yield
     finally:
-        if not was:
-            uninstall()
+        with _lock:
+            _enabled_depth -= 1
+            if _enabled_depth == 0 and _by_enabled:
+                _by_enabled = False
+                _uninstall()

@@ -30,6 +30,50 @@ def test_bundled_example_trains_as_one_forward_and_one_backward_graph():
     assert phases == ["backward", "forward"], report["graphs"]
     backward = next(g for g in report["graphs"] if g["phase"] == "backward")
     assert "reduce_scatter_tensor" in json.dumps(backward), backward  # FSDP2's reduction, traced
+    _check_comm(report)
+
+
+def _check_comm(report):
+    """The communication report of the same launch: every collective of the forward and backward graphs.
+
+    Like with like (NOTE [like-with-like collective counts] in dynamo_ext/audit/comm_merge.py): CommDebugMode
+    counts the eager step's DTensor collectives as legacy ``c10d_functional.*`` ops and FSDP2's as c10d ops
+    (``c10d._allgather_base_``, ``c10d._reduce_scatter_base_``), one flat buffer per FSDP group; the traced
+    FSDP2 step gathers and reduce-scatters each parameter, so its FSDP collectives count once per (graph,
+    FSDP module, kind).  Both sides map to traffic kinds (all_gather, all_reduce, reduce_scatter).
+    """
+    comm = report["comm"]
+    runs = [c for c in comm["collectives"] if not c["inlined"]]
+    by = {(c["graph_kind"], c["kind"], c["origin"]) for c in runs}
+    # forward: FSDP2 all-gathers over "dp", RowwiseParallel's all-reduces over "tp"; backward under compiled
+    # autograd: FSDP2's re-gathers and reduce-scatters, ColwiseParallel's input-gradient all-reduces.
+    assert by == {
+        ("forward", "all_gather", "fsdp"),
+        ("forward", "all_reduce", "dtensor"),
+        ("compiled_autograd", "all_gather", "fsdp"),
+        ("compiled_autograd", "reduce_scatter", "fsdp"),
+        ("compiled_autograd", "all_reduce", "dtensor"),
+    }, by
+    for c in runs:
+        assert c["mesh_axis"] == ("dp" if c["origin"] == "fsdp" else "tp"), c
+        assert c["line"] > 0 and c["file"], c
+        assert c["bytes_in"] > 0 and c["sent"] > 0 and c["est_ms"] > 0, c
+        if c["origin"] == "dtensor":
+            assert c["file"].endswith("example_llama.py") and c["module"].startswith("layers."), c
+            assert (c["placements_before"], c["placements_after"]) in {("(P(sum))", "(R)"), ("P(sum)", "R")}, c
+            assert c["alternative_basis"] == "heuristic", c
+    # 8 KiB all-reduce of fp32 [2, 16, 64] activations over tp=2: a ring sends 2 * (2-1)/2 * 8 KiB per rank
+    tp = [c for c in runs if c["kind"] == "all_reduce"]
+    assert {(c["bytes_in"], c["sent"]) for c in tp} == {(2 * 16 * 64 * 4, 2 * 16 * 64 * 4)}, tp
+    assert comm["bytes_per_step"] == sum(c["sent"] for c in runs) == report["totals"]["comm_bytes_per_step"]
+    assert comm["eager_counts"] is not None and comm["counts"] == comm["eager_counts"], comm
+    assert comm["counts"] == [
+        ["backward", "all_gather", 2],  # the two blocks re-gathered (reshard_after_forward)
+        ["backward", "all_reduce", 10],  # wq, wk, wv, w1, w3 input gradients, 2 blocks
+        ["backward", "reduce_scatter", 3],  # root + 2 blocks
+        ["forward", "all_gather", 3],
+        ["forward", "all_reduce", 4],  # wo, w2 outputs, 2 blocks
+    ]
 
 
 def test_check_against_eager_names_the_gradient_that_differs(world):

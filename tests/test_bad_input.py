@@ -89,3 +89,105 @@ def test_distribute_tensor_of_a_grad_tensor_is_a_clear_graph_break(world):
         torch.compile(lambda x: distribute_tensor(x, m, [Shard(0)]).to_local(), fullgraph=True)(
             torch.ones(8, 2, requires_grad=True)
         )
+
+
+def test_distribute_tensor_to_mixed_partial_ops_raises_value_error(world):
+    # Found by tests/test_guard_fuzz.py: the plugin's traced distribute_tensor skipped eager's check.
+    from torch.distributed.tensor import Partial
+
+    m = init_device_mesh("cpu", (2, 2))
+    err = _same_error_as_eager(
+        lambda x: distribute_tensor(x, m, [Partial("max"), Partial("avg")]).to_local(), torch.ones(4, 4)
+    )
+    assert isinstance(err, ValueError) and "Mixed Partial reduce types" in str(err)
+
+
+# ---- bad input through the public entry points (issue 9, item 4) ---------------------------
+def _deepest_file(info: pytest.ExceptionInfo) -> str:
+    """The file of the frame that raised: the entry point itself, not something deep inside it."""
+    return info.traceback[-1].path.name
+
+
+def test_install_uninstall_enabled_take_no_arguments():
+    import dynamo_ext
+
+    for fn in (dynamo_ext.install, dynamo_ext.uninstall, dynamo_ext.enabled):
+        with pytest.raises(TypeError, match="takes 0 positional arguments") as info:
+            fn("cuda")
+        assert _deepest_file(info) in ("test_bad_input.py", "contextlib.py")  # refused by the call itself
+    assert not dynamo_ext.is_installed()
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "error", "message"),
+    [
+        ("bucket_cap", 1 << 20, AttributeError, "has no option 'bucket_cap'; did you mean bucket_cap_bytes"),
+        ("one_shot", 1, TypeError, "options.one_shot is a switch: set True or False, got 1"),
+        ("bucket_small_bytes", -1, ValueError, "options.bucket_small_bytes must be 0 or more, got -1"),
+        ("two_shot_max_bytes", 2.5e6, TypeError, "options.two_shot_max_bytes is a size (an int), got float"),
+        ("one_shot_device_types", "cuda", TypeError, "a tuple of device types such as ('cuda',), got 'cuda'"),
+    ],
+)
+def test_bad_lowering_options_are_refused_when_set(name, value, error, message):
+    from dynamo_ext.inductor_lowerings.options import LoweringOptions, options
+
+    before = options.cache_key()
+    with pytest.raises(error) as info:
+        setattr(options, name, value)
+    assert message in str(info.value) and _deepest_file(info) == "options.py"
+    assert options.cache_key() == before == LoweringOptions().cache_key()
+
+
+def test_audit_api_bad_arguments():
+    from dynamo_ext.audit import audit
+
+    with pytest.raises(TypeError, match="fn must be a function or module to compile, got int") as info:
+        audit(42)
+    assert _deepest_file(info) == "api.py"
+    with pytest.raises(TypeError, match="takes a make_step callable"):
+        audit(torch.sin, torch.ones(1), check_numerics="step", backend="eager")
+    with pytest.raises(ValueError, match=r"audit\(rtol=...\) must be a number >= 0, got -1"):
+        audit(torch.sin, torch.ones(1), rtol=-1, atol=0.0, backend="eager")
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--max-breaks", "-1"], "--max-breaks must be 0 or more, got -1"),
+        (["--max-hang-risks", "-2"], "--max-hang-risks must be 0 or more, got -2"),
+        (["--rtol", "-1", "--atol", "0"], "--rtol must be a number >= 0, got -1"),
+        (
+            ["--json", "/no/such/folder/out.json"],
+            "--json /no/such/folder/out.json: folder /no/such/folder does not exist",
+        ),
+        (["--html", "."], "--html .: is a directory; give a file name"),
+        (["no_such_module_xyz:main"], "unknown module 'no_such_module_xyz'"),
+    ],
+)
+def test_audit_cli_bad_options_fail_before_launching(capsys, argv, message):
+    from dynamo_ext.audit.cli import EXIT_ERROR, main
+
+    assert main(["audit", *argv]) == EXIT_ERROR
+    err = capsys.readouterr().err
+    assert f"dynamo-ext audit: error: {message}" in err and "Traceback" not in err
+
+
+def test_audit_cli_non_number_is_an_argparse_error(capsys):
+    from dynamo_ext.audit.cli import main
+
+    with pytest.raises(SystemExit) as info:
+        main(["audit", "--nproc", "four"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument --nproc: invalid int value: 'four'" in err and "Traceback" not in err
+
+
+def test_spmd_bad_mesh_or_tensor_is_a_type_error(world):
+    from dynamo_ext.spmd import Mesh, mark_sharding, with_sharding_constraint
+
+    mesh = Mesh(range(4), (2, 2), ("x", "y"))
+    with pytest.raises(TypeError, match="mesh must be a dynamo_ext.spmd.Mesh or a DeviceMesh, got str") as info:
+        mark_sharding(torch.ones(4, 4), "mesh", ("x", None))
+    assert _deepest_file(info) == "sharding.py"
+    with pytest.raises(TypeError, match="with_sharding_constraint|mark_sharding: expected a tensor"):
+        with_sharding_constraint([[1.0, 2.0]], mesh, ("x", None))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from helpers import CountingBackend
@@ -75,12 +77,16 @@ def test_mesh_argument_recompiles_only_on_change(world, fresh_failures):
     m1 = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     fn(x, m1)
     fn(x, m1)
-    fn(x, init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp")))
+    fn(x, copy.copy(m1))  # an equal mesh on the same process groups
     assert backend.frame_count == 1
     out = fn(x, m1["tp"])
     assert backend.frame_count == 2
     assert torch.equal(out, x * 2 + 1)
     assert any("mesh dim names changed: ('dp', 'tp') -> ('tp',)" in r for r in _reasons()), _reasons()
+    # The same layout on new process groups: a graph may bake the old groups' names, so it recompiles.
+    fn(x, init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp")))
+    assert backend.frame_count == 3
+    assert any("mesh process groups changed: ('1', '3') -> " in r for r in _reasons()), _reasons()
 
 
 def test_placement_argument_recompiles_with_reason(world, fresh_failures):

@@ -5,7 +5,8 @@
   its peers' rows through raw addresses and meets them at barriers built from
   ``tl.atomic_cas`` on shared signal pads (NOTE [one-shot barrier]).  Odd sizes, fp32,
   bf16 and fp16, the chain's cast variants, against float64 and the exact-dtype reference.
-- Compiled offline for sm_90 (no GPU needed) to check the barrier's memory semantics.
+- Compiled offline for sm_90 (no GPU needed): the barrier's memory semantics and parallelism,
+  16-byte peer reads when alignment is promised, the chunked epilogue.
 - On a CUDA device (``gpu`` marker): symmetric memory and a compiled TP block.
 """
 
@@ -103,7 +104,7 @@ def _nvidia_backend_available() -> bool:
     return True
 
 
-def compile_for_sm90(kernel, world: int, *, int64_args: tuple[str, ...]):
+def compile_for_sm90(kernel, world: int, *, int64_args: tuple[str, ...], vec: int = 8, n_chunks: int = 1):
     """Compile a fused all-reduce + RMSNorm kernel for sm_90 offline (bf16 data, weight, bf16 mid cast).
 
     ``int64_args`` are the kernel's address-table and offset arguments; the rest of
@@ -120,35 +121,65 @@ def compile_for_sm90(kernel, world: int, *, int64_args: tuple[str, ...]):
         "rstd_out_ptr": "*fp32",
         **dict.fromkeys(("n_rows", "n_cols", "rank"), "i32"),
         "eps": "fp32",
-        **dict.fromkeys(("WORLD_SIZE", "BLOCK_N", "HAS_WEIGHT", "MID_DTYPE", "PRODUCT_DTYPE"), "constexpr"),
+        **dict.fromkeys(
+            ("WORLD_SIZE", "PEERS", "BLOCK_N", "N_CHUNKS", "VEC", "HAS_WEIGHT", "MID_DTYPE", "PRODUCT_DTYPE"),
+            "constexpr",
+        ),
     }
     constexprs = {
         "WORLD_SIZE": world,
+        "PEERS": triton.next_power_of_2(world),
         "BLOCK_N": 4096,
+        "N_CHUNKS": n_chunks,
+        "VEC": vec,
         "HAS_WEIGHT": True,
         "MID_DTYPE": tl.bfloat16,
         "PRODUCT_DTYPE": None,
     }
+    # what a launch with 16-byte aligned tensors and a hidden size divisible by 16 specializes; nothing
+    # about the peer tables or input_offset: their alignment comes from the kernel's own hints (VEC)
+    aligned = ("residual_ptr", "weight_ptr", "sum_out_ptr", "norm_out_ptr", "rstd_out_ptr", "n_cols")
+    attrs = {(kernel.arg_names.index(a),): [["tt.divisibility", 16]] for a in aligned}
     return triton.compile(
-        ASTSource(fn=kernel, signature={k: signature[k] for k in kernel.arg_names}, constexprs=constexprs),
+        ASTSource(fn=kernel, signature={k: signature[k] for k in kernel.arg_names}, constexprs=constexprs, attrs=attrs),
         target=GPUTarget("cuda", 90, 32),
         options={"num_warps": 16},
     )
 
 
+def peer_load_widths(ptx: str) -> list[str]:
+    """The ``ld.global`` variants in ``ptx`` other than the 64-bit table reads (``b16``: scalar bf16, ``v4``: 16 bytes)."""
+    import re
+
+    return [m for m in re.findall(r"ld\.global[.\w]*", ptx) if not m.endswith(".b64")]
+
+
 @pytest.mark.skipif(not _nvidia_backend_available(), reason="triton without its NVIDIA backend")
-def test_kernel_compiles_for_sm90_with_system_scope_acquire_release():
-    """No GPU needed: Triton compiles to PTX and cubin offline; the barrier must be sys-scope acquire/release."""
+@pytest.mark.parametrize(("world", "vec", "n_chunks"), [(2, 8, 1), (8, 8, 4), (3, 1, 1)])
+def test_kernel_compiles_for_sm90_with_a_parallel_barrier_and_vector_peer_reads(world, vec, n_chunks):
+    """No GPU needed: Triton compiles to PTX and cubin offline (ptxas ships with triton).
+
+    The barrier is one sys-scope release CAS and one acquire CAS per meeting whatever the
+    world size (a vector CAS, one lane per peer, not one thread looping over peers); with
+    the alignment promised (``VEC``) every peer read is a 16-byte ``v4`` load, without it
+    they stay 2-byte scalar loads; the chunked epilogue (rows above ``MAX_BLOCK_N``) compiles.
+    """
     from dynamo_ext.inductor_lowerings.kernels._one_shot_all_reduce_rms_norm_kernel import (
         _one_shot_all_reduce_residual_rms_norm_kernel as kernel,
     )
 
-    world = 4
-    compiled = compile_for_sm90(kernel, world, int64_args=("buffer_ptrs", "signal_pad_ptrs", "input_offset"))
+    compiled = compile_for_sm90(
+        kernel, world, int64_args=("buffer_ptrs", "signal_pad_ptrs", "input_offset"), vec=vec, n_chunks=n_chunks
+    )
     ptx = compiled.asm["ptx"]
     assert "cubin" in compiled.asm
-    assert ptx.count("atom.global.release.sys.cas.b32") == 2 * world  # raise each peer's slot, twice
-    assert ptx.count("atom.global.acquire.sys.cas.b32") == 2 * world  # lower each own slot, twice
+    assert ptx.count("atom.global.release.sys.cas.b32") == 2  # entry and exit barrier, all peers at once
+    assert ptx.count("atom.global.acquire.sys.cas.b32") == 2
+    loads = peer_load_widths(ptx)
+    if vec > 1:
+        assert loads and all(".v4." in m for m in loads), loads
+    else:
+        assert sum(m.endswith(".b16") for m in loads) >= 8 * world, loads  # scalar reads of every peer
 
 
 # ---- on a CUDA device -----------------------------------------------------------------------
@@ -195,17 +226,12 @@ def test_one_shot_kernel_on_symmetric_memory(one_rank_nccl_group, dtype):
 @pytest.mark.gpu
 @requires_cuda
 def test_compiled_tp_block_uses_the_one_shot_kernel(one_rank_nccl_group):
-    import warnings
-
-    import torch.distributed._symmetric_memory as symm_mem
+    """On by default: nothing to enable (NOTE [symmetric memory route]); the pass sets the group up."""
     from test_lowering_gloo import tp_block
     from torch._inductor.utils import run_and_get_code
 
     import dynamo_ext
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)  # deprecated on 2.13, still what enables it
-        symm_mem.enable_symm_mem_for_group(one_rank_nccl_group)
     g = torch.Generator().manual_seed(0)
     args = [
         torch.randn(16, 256, generator=g).cuda(),

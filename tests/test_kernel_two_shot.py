@@ -6,7 +6,7 @@
   sizes, rows not divisible by the world size (and fewer rows than ranks), fp32 and
   bf16, the chain's cast variants, against float64 and the exact-dtype reference; the
   signal pads are back to zero afterwards.
-- Compiled offline for sm_90 (no GPU needed): three barriers of sys-scope acquire/release.
+- Compiled offline for sm_90 (no GPU needed): three parallel barriers of sys-scope acquire/release, 16-byte peer reads.
 - The size dispatch (``ops.fused_all_reduce_algorithm``, ``options.two_shot_max_bytes``)
   and the fusion pass admitting two-shot sizes, on the CPU.
 - On a CUDA device (``gpu`` marker): symmetric memory at world size 1.
@@ -26,6 +26,7 @@ from test_kernel_one_shot import (  # noqa: F401
     _nvidia_backend_available,
     compile_for_sm90,
     one_rank_nccl_group,
+    peer_load_widths,
 )
 
 # (rows, cols, dtype, weight, upcast, mid_dtype, out_dtype)
@@ -173,7 +174,8 @@ def test_fusion_pass_admits_two_shot_sizes(world, monkeypatch, lowering_options,
 
 @pytest.mark.skipif(not _nvidia_backend_available(), reason="triton without its NVIDIA backend")
 def test_kernel_compiles_for_sm90_with_system_scope_acquire_release():
-    """No GPU needed: Triton compiles to PTX offline; three barriers, each sys-scope acquire/release."""
+    """No GPU needed: three barriers, each one vector sys-scope release CAS and one acquire CAS (one lane per
+    peer); peer reads (input and staged rows) are 16-byte loads; the chunked epilogue compiles."""
     from dynamo_ext.inductor_lowerings.kernels._two_shot_all_reduce_rms_norm_kernel import (
         _two_shot_all_reduce_residual_rms_norm_kernel as kernel,
     )
@@ -181,11 +183,13 @@ def test_kernel_compiles_for_sm90_with_system_scope_acquire_release():
     world = 4
     tables = ("buffer_ptrs", "signal_pad_ptrs", "staging_ptrs")
     offsets = ("input_offset", "sum_stage_offset", "norm_stage_offset", "rstd_stage_offset")
-    compiled = compile_for_sm90(kernel, world, int64_args=tables + offsets)
+    compiled = compile_for_sm90(kernel, world, int64_args=tables + offsets, n_chunks=2)
     ptx = compiled.asm["ptx"]
     assert "cubin" in compiled.asm
-    assert ptx.count("atom.global.release.sys.cas.b32") == 3 * world  # raise each peer's slot, three times
-    assert ptx.count("atom.global.acquire.sys.cas.b32") == 3 * world  # lower each own slot, three times
+    assert ptx.count("atom.global.release.sys.cas.b32") == 3
+    assert ptx.count("atom.global.acquire.sys.cas.b32") == 3
+    loads = peer_load_widths(ptx)
+    assert sum(".v4." in m for m in loads) >= world and not any(m.endswith(".b16") for m in loads), loads
 
 
 @pytest.mark.gpu

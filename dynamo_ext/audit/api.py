@@ -23,6 +23,19 @@ def _source_file(fn: Any) -> str | None:
         return None
 
 
+def _check_audit_arguments(fn: Any, check_numerics: Any, rtol: float | None, atol: float | None) -> None:
+    """Bad arguments of :func:`audit` as clear errors before anything runs (issue 9)."""
+    if not callable(fn):
+        raise TypeError(f"audit(fn, *args): fn must be a function or module to compile, got {type(fn).__name__}")
+    if check_numerics is not None and not callable(check_numerics):
+        raise TypeError(
+            f"audit(check_numerics=...) takes a make_step callable (docs/audit.md), got {type(check_numerics).__name__}"
+        )
+    for name, value in (("rtol", rtol), ("atol", atol)):
+        if value is not None and not value >= 0:
+            raise ValueError(f"audit({name}=...) must be a number >= 0, got {value!r}")
+
+
 def audit(
     fn: Any,
     *args: Any,
@@ -53,7 +66,8 @@ def audit(
     Its compiles are not part of the audit's counts.
 
     Raises:
-        ValueError: only one of ``rtol``/``atol`` given.
+        TypeError: ``fn`` or ``check_numerics`` is not callable.
+        ValueError: only one of ``rtol``/``atol`` given, or a negative one.
     """
     import torch
     import torch.distributed as dist
@@ -63,6 +77,7 @@ def audit(
 
     if (rtol is None) != (atol is None):
         raise ValueError("give both rtol and atol, or neither (the per-dtype defaults of torch.testing.assert_close)")
+    _check_audit_arguments(fn, check_numerics, rtol, atol)
     rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
     counters = _compat.dynamo_counters()
     saved = copy.deepcopy(dict(counters))
@@ -118,6 +133,16 @@ def audit(
                 report.numerics,
                 ranks=(rank,),
                 mismatches=tuple(dataclasses.replace(m, rank=rank) for m in report.numerics.mismatches),
+            ),
+            comm=None
+            if report.comm is None
+            else dataclasses.replace(
+                report.comm,
+                bytes_by_rank=tuple((rank, n) for _, n in report.comm.bytes_by_rank),
+                collectives=tuple(
+                    dataclasses.replace(c, ranks=(rank,), sent_by_rank=tuple((rank, n) for _, n in c.sent_by_rank))
+                    for c in report.comm.collectives
+                ),
             ),
         )
     return report

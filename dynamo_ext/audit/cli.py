@@ -78,6 +78,27 @@ def _parser() -> argparse.ArgumentParser:
         help="numerics tolerance (with --atol; default: torch.testing.assert_close's per dtype)",
     )
     p.add_argument("--atol", type=float, default=None, help="numerics tolerance (with --rtol)")
+    p.add_argument(
+        "--comm-budget",
+        type=int,
+        default=None,
+        metavar="BYTES",
+        help="exit 1 when a rank sends more than BYTES per step in the compiled graphs' collectives",
+    )
+    p.add_argument(
+        "--intra-node-bw",
+        type=float,
+        default=None,
+        metavar="GBPS",
+        help="intra-node bandwidth (GB/s) for the collectives' time estimates (default: comm_analysis's)",
+    )
+    p.add_argument(
+        "--inter-node-bw",
+        type=float,
+        default=None,
+        metavar="GBPS",
+        help="inter-node bandwidth (GB/s) for the collectives' time estimates (default: comm_analysis's)",
+    )
     p.add_argument("--baseline", metavar="FILE", help="exit 1 on a graph break that this earlier --json report lacks")
     p.add_argument(
         "--timeout", type=float, default=300.0, metavar="S", help="kill the ranks after S seconds (default 300)"
@@ -113,6 +134,27 @@ def _validate_target(target: str) -> str | None:
     return None
 
 
+def _bad_option(args: argparse.Namespace) -> str | None:
+    """Why an option cannot work, in one line, checked before any rank starts (issue 9), or ``None``."""
+    for flag in ("max_breaks", "max_recompiles", "max_hang_risks"):
+        value = getattr(args, flag, None)
+        if value is not None and value < 0:
+            return f"--{flag.replace('_', '-')} must be 0 or more, got {value}"
+    for flag in ("rtol", "atol"):
+        value = getattr(args, flag)
+        if value is not None and not value >= 0:
+            return f"--{flag} must be a number >= 0, got {value:g}"
+    for flag in ("json", "html"):
+        path = getattr(args, flag)
+        if path:
+            folder = os.path.dirname(os.path.abspath(path))
+            if os.path.isdir(path):
+                return f"--{flag} {path}: is a directory; give a file name"
+            if not os.path.isdir(folder):
+                return f"--{flag} {path}: folder {folder} does not exist"
+    return None
+
+
 def _write(report, args: argparse.Namespace, err: Console) -> None:  # type: ignore[no-untyped-def]
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
@@ -144,6 +186,9 @@ def _audit(argv: list[str]) -> int:
         return fail(f"--timeout must be positive, got {args.timeout:g}")
     if (args.rtol is None) != (args.atol is None):
         return fail("give --rtol and --atol together (or neither, for torch.testing.assert_close's defaults)")
+    why = _bad_option(args)
+    if why:
+        return fail(why)
     check_numerics = args.check_numerics if args.check_numerics is not None else args.target is None
     if args.compare_stock and args.no_plugin:
         return fail("--compare-stock already runs without the plugin; drop --no-plugin")
@@ -155,6 +200,17 @@ def _audit(argv: list[str]) -> int:
             baseline = load_report(args.baseline)
         except (OSError, ValueError) as e:
             return fail(f"cannot read --baseline {args.baseline}: {e}")
+    if args.comm_budget is not None and args.comm_budget < 0:
+        return fail(f"--comm-budget must be a number of bytes >= 0, got {args.comm_budget}")
+    for flag, bw in (("--intra-node-bw", args.intra_node_bw), ("--inter-node-bw", args.inter_node_bw)):
+        if bw is not None and not bw > 0:
+            return fail(f"{flag} must be a positive bandwidth in GB/s, got {bw:g}")
+    from .comm import INTER_BW_ENV, INTRA_BW_ENV
+
+    # Read by each rank's communication report (the ranks inherit the environment).
+    for env, bw in ((INTRA_BW_ENV, args.intra_node_bw), (INTER_BW_ENV, args.inter_node_bw)):
+        if bw is not None:
+            os.environ[env] = repr(bw)
     why = _validate_target(target)
     if why:
         return fail(why)
@@ -204,6 +260,7 @@ def _audit(argv: list[str]) -> int:
         max_recompiles=args.max_recompiles,
         baseline=baseline,
         max_hang_risks=args.max_hang_risks,
+        max_comm_bytes=args.comm_budget,
     )
     for p in problems:
         err.print(f"dynamo-ext audit: gate: {p}", markup=False, soft_wrap=True)

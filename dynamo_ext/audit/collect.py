@@ -363,10 +363,19 @@ def _check_numerics(target: str, rtol: float | None, atol: float | None) -> dict
     make_step = find_make_step(target)
     # A fresh Dynamo: the audited run's cache entries belong to other module instances.
     torch._dynamo.reset()
-    result = _with_default_group(
-        lambda: check_step(as_step(make_step()), rtol=rtol, atol=atol), store_prefix="dynamo_ext_audit_numerics/"
-    )
-    return {"ev": "numerics", **result}
+    from .comm_merge import eager_counted_step
+
+    eager_comm: dict[str, dict[str, int]] = {}
+
+    def run() -> dict[str, Any]:
+        # The eager step's collectives, counted by CommDebugMode, check the communication report's counts.
+        spec, counts = eager_counted_step(as_step(make_step()))
+        result = check_step(spec, rtol=rtol, atol=atol)
+        eager_comm.update(counts)
+        return result
+
+    result = _with_default_group(run, store_prefix="dynamo_ext_audit_numerics/")
+    return {"ev": "numerics", **result, "eager_comm": eager_comm}
 
 
 def _parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:

@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 from .. import _compat
+from .comm import CommTracer
 from .identity import is_distributed_cause, normalize_path, user_frame_index
 
 TRACE_LOGGER = "torch.__trace"
@@ -155,6 +156,7 @@ class Collector(logging.Handler):
         self._lock_events = threading.Lock()
         self._saved_levels: list[tuple[logging.Logger, int]] = []
         self._break_excs: list[Any] = []
+        self.comm = CommTracer(root=root)
 
     # ---- lifecycle -------------------------------------------------------------
     def start(self) -> None:
@@ -209,15 +211,40 @@ class Collector(logging.Handler):
                 self._on_break(md, getattr(record, "payload", "") or "")
             elif name == "dynamo_output_graph":
                 self._graphs.setdefault(_compile_key(md), {})["dynamo"] = getattr(record, "payload", "") or ""
+                self._on_graph_module(name, md, "")
             elif name in ("aot_forward_graph", "aot_inference_graph", "aot_backward_graph"):
                 side = "backward" if name == "aot_backward_graph" else "forward"
                 self._graphs.setdefault(_compile_key(md), {})[side] = getattr(record, "payload", "") or ""
+                self._on_graph_module(name, md, getattr(record, "payload", "") or "")
             elif name == "compilation_metrics":
                 self._on_metrics(md["compilation_metrics"])
         except Exception as e:  # never break the user's compile
             self.record({"ev": "internal", "message": f"audit collector failed on {name}: {type(e).__name__}: {e}"})
 
     # ---- events ---------------------------------------------------------------
+    def _on_graph_module(self, name: str, md: dict[str, Any], text: str) -> None:
+        """The communication report's hook (NOTE [communication report] in :mod:`.comm`).
+
+        A failure of the analysis is a ``comm_graph`` event with ``missing`` set
+        (the report says it is incomplete), not an audit error.
+        """
+        gm, aot_id = _compat.graph_module_being_logged(name)
+        try:
+            event = self.comm.on_graph(name, _compile_key(md), gm, aot_id, text)
+        except Exception as e:
+            logging.getLogger(__name__).warning("communication report: %s not analysed", name, exc_info=True)
+            event = {
+                "ev": "comm_graph",
+                "compile_id": _compile_key(md),
+                "graph": name,
+                "aot_id": aot_id,
+                "inlined_aot_ids": [],
+                "collectives": [],
+                "missing": f"{name}: analysis failed: {type(e).__name__}: {e}",
+            }
+        if event is not None:
+            self.record(event)
+
     def _on_break(self, md: dict[str, Any], payload: str) -> None:
         # Not sys.exc_info(): on 2.13 a data-dependent branch is logged outside any except.
         exc = _compat.graph_break_being_logged()

@@ -41,6 +41,7 @@ def gate(
     max_recompiles: int | None = None,
     baseline: AuditReport | None = None,
     max_hang_risks: int | None = 0,
+    max_comm_bytes: int | None = None,
 ) -> list[str]:
     """Why ``report`` fails the CI gate (empty when it passes).
 
@@ -49,7 +50,9 @@ def gate(
     whose identity it does not have; a tensor that differs between the compiled
     and the eager step (:attr:`AuditReport.numerics`, when checked) fails it; more than ``max_hang_risks`` graphs whose
     collective sequences differ across ranks (:attr:`AuditReport.hang_risks`)
-    fail it too (``None``: not checked).
+    fail it too (``None``: not checked).  ``max_comm_bytes``: bytes a rank may send per step in the
+    compiled graphs' collectives (:attr:`.records.Comm.bytes_per_step`; no communication report: 0 bytes;
+    an incomplete one, :attr:`.records.Comm.missing`, fails it).
     """
     problems = []
     if report.numerics is not None and report.numerics.mismatches:
@@ -65,6 +68,14 @@ def gate(
         problems.append(f"{report.total_breaks} graph break(s) per rank, budget --max-breaks {max_breaks}")
     if max_recompiles is not None and report.total_recompiles > max_recompiles:
         problems.append(f"{report.total_recompiles} recompile(s) per rank, budget --max-recompiles {max_recompiles}")
+    sent = report.comm.bytes_per_step if report.comm is not None else 0
+    if max_comm_bytes is not None and sent > max_comm_bytes:
+        problems.append(f"{sent} bytes sent per rank per step by collectives, budget --comm-budget {max_comm_bytes}")
+    elif max_comm_bytes is not None and report.comm is not None and report.comm.missing:
+        problems.append(
+            f"--comm-budget {max_comm_bytes} cannot be checked: the communication report is incomplete "
+            f"({report.comm.missing[0]})"
+        )
     if baseline is not None:
         for b in diff_reports(baseline, report).new:
             problems.append(f"new graph break not in the baseline: {b.id}")

@@ -155,6 +155,11 @@ def render_html(report: AuditReport) -> str:
             if num.mismatches
             else f'<h2>Numerics</h2><p class="ok">{escape(head)}compiled step equals eager.</p>'
         )
+    comm_html = ""
+    if report.comm is not None:
+        from .comm_render import comm_html as _comm_html
+
+        comm_html = _comm_html(report.comm)
     stock_line = ""
     if report.stock is not None:
         stock_line = (
@@ -182,7 +187,7 @@ torch {escape(report.torch_version)} &middot; plugin {plugin}</p>
 <h2>Graphs</h2>
 <table id="graphs"><thead><tr><th>graph</th><th>phase</th><th>ops</th><th>collectives (fwd)</th><th>collectives (bwd)</th><th>ranks</th><th>compile s</th></tr></thead>
 <tbody>{"".join(graphs)}</tbody></table>
-<h2>Ranks</h2>
+{comm_html}<h2>Ranks</h2>
 <table id="ranks"><thead><tr><th>rank</th><th>host</th><th>status</th><th>breaks</th><th>skips</th><th>graphs</th><th>recompiles</th><th>compile s</th><th>Dynamo counter</th><th>error</th></tr></thead>
 <tbody>{"".join(ranks)}</tbody></table>
 </body></html>

@@ -84,6 +84,8 @@ class Merger:
         self._numerics: dict[int, dict[str, Any]] = {}
         self._internal: list[str] = []
         self._plugin: dict[str, Any] = {}
+        # The events .comm_merge.merge_comm reads, for ranks that recorded a communication report.
+        self._comm_events: dict[int, list[dict[str, Any]]] = {}
 
     def _intern(self, seq: list[str]) -> tuple[str, ...]:
         t = tuple(seq)
@@ -102,8 +104,15 @@ class Merger:
             "compile_time_s": 0.0,
         }
         seqs: dict[str, list[str]] = defaultdict(list)
+        comm: list[dict[str, Any]] = []
+        has_comm = False
         for e in events:
             ev = e.get("ev")
+            if ev in ("comm_graph", "numerics"):
+                comm.append(e)
+                has_comm = has_comm or ev == "comm_graph"
+            elif ev == "compile":
+                comm.append({k: e.get(k) for k in ("ev", "compile_id", "file", "line", "function", "recompile_reason")})
             if ev == "break":
                 self._add_break(rank, e)
                 info["frame_skips" if e["kind"] == "frame_skip" else "graph_breaks"] += 1
@@ -129,6 +138,8 @@ class Merger:
         for gid, seq in seqs.items():
             self._graphs[gid]["seqs"][rank] = self._intern(seq)
         self._ranks[rank] = info
+        if has_comm:
+            self._comm_events[rank] = comm
 
     def _add_recompile(self, rank: int, e: dict[str, Any]) -> None:
         reason = _CID_PREFIX.sub("", str(e["recompile_reason"])).strip()
@@ -210,6 +221,8 @@ class Merger:
                 for r in recompiles
             )
         ranks = tuple(self._rank_summary(r, statuses[r]) for r in range(world_size))
+        from .comm_merge import merge_comm
+
         return AuditReport(
             target=target,
             world_size=world_size,
@@ -222,6 +235,7 @@ class Merger:
             ranks=ranks,
             errors=tuple(errors) + tuple(self._internal),
             numerics=_numerics(self._numerics),
+            comm=merge_comm(self._comm_events, ref, graph_id),
         )
 
     def _recompile_records(self, ref: set[int], multi: bool) -> tuple[Recompile, ...]:

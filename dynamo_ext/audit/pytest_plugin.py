@@ -39,6 +39,7 @@ class AuditGate:
         max_recompiles: int | None,
         baseline: str | None,
         max_hang_risks: int | None = 0,
+        comm_budget: int | None = None,
     ) -> AuditReport:
         problems = list(report.errors)
         problems += gate(
@@ -47,6 +48,7 @@ class AuditGate:
             max_recompiles=max_recompiles,
             baseline=load_report(baseline) if baseline else None,
             max_hang_risks=max_hang_risks,
+            max_comm_bytes=comm_budget,
         )
         if problems:
             pytest.fail(
@@ -64,15 +66,17 @@ class AuditGate:
         check_numerics: Any = None,
         rtol: float | None = None,
         atol: float | None = None,
+        comm_budget: int | None = None,
         **compile_kwargs: Any,
     ) -> AuditReport:
         """Audit ``torch.compile(fn, **compile_kwargs)(*args)`` in this process; fail the test past the budgets.
 
         ``check_numerics``: a ``make_step`` callable; a tensor that differs between
         its compiled and eager step fails the test (see :func:`.api.audit`).
+        ``comm_budget``: bytes the compiled graphs' collectives may send per rank (as ``--comm-budget``).
         """
         report = audit(fn, *args, check_numerics=check_numerics, rtol=rtol, atol=atol, **compile_kwargs)
-        return self._check(report, max_breaks, max_recompiles, baseline)
+        return self._check(report, max_breaks, max_recompiles, baseline, comm_budget=comm_budget)
 
     def run(
         self,
@@ -90,10 +94,12 @@ class AuditGate:
         check_numerics: bool = False,
         rtol: float | None = None,
         atol: float | None = None,
+        comm_budget: int | None = None,
     ) -> AuditReport:
         """``dynamo-ext audit`` on ``nproc`` ranks (script path or module:function), with the same gate.
 
-        ``check_numerics``: as ``--check-numerics`` (the target defines ``make_step()``).
+        ``check_numerics``: as ``--check-numerics`` (the target defines ``make_step()``);
+        ``comm_budget``: as ``--comm-budget``.
         """
         from .launch import run_ranks
 
@@ -108,7 +114,7 @@ class AuditGate:
             rtol=rtol,
             atol=atol,
         )
-        return self._check(report, max_breaks, max_recompiles, baseline, max_hang_risks)
+        return self._check(report, max_breaks, max_recompiles, baseline, max_hang_risks, comm_budget)
 
 
 @pytest.fixture

@@ -210,6 +210,107 @@ class Numerics:
 
 
 @dataclasses.dataclass(frozen=True)
+class Collective:
+    """One collective of one compiled graph, merged over the ranks that issue it (see docs/audit.md, "Communication").
+
+    ``graph``: the graph's identity (:class:`Graph` ``id``); ``graph_kind``:
+    ``"forward"`` / ``"backward"`` (AOTAutograd's) or ``"compiled_autograd"``;
+    ``index``: position among the graph's collectives.  ``op``: the functional
+    collective, ``kind`` its traffic class (``all_gather``, ``reduce_scatter``,
+    ``all_reduce``, ``all_to_all``, ``broadcast``).  ``group`` (process-group
+    name), ``group_size``, ``group_ranks``, ``mesh_axis`` (the mesh dimension
+    name of that group, ``""`` when no mesh has it).  Bytes are per rank:
+    ``bytes_in``/``bytes_out`` the collective's input and output,
+    ``sent``/``received`` what a ring algorithm moves (worst rank;
+    ``sent_by_rank`` for each).  ``est_ms``: ``torch._inductor.comm_analysis``'s
+    NCCL estimate (``None``: it could not estimate).  ``overlap_ops``: compute
+    ops between the collective and its wait in graph order (``None``: no wait in
+    the graph).  ``file``/``line``/``function``/``source``: the user line;
+    ``module``: the module path.  ``origin``: ``fsdp``, ``dtensor``, ``explicit``
+    or ``unknown``.  DTensor collectives: ``placements_before``/``after`` on
+    ``mesh_axis`` (``placements_basis``: ``graph`` when read from the Dynamo
+    graph's ``redistribute``, else implied by the collective) and
+    ``alternative`` (``alternative_basis`` ``"heuristic"``: a suggestion, not
+    verified).  ``inlined``: an AOT backward graph that compiled autograd
+    inlined; it never runs by itself and is left out of every total.
+    """
+
+    graph: str
+    graph_kind: str
+    phase: str
+    index: int
+    op: str
+    kind: str
+    group: str
+    group_size: int
+    group_ranks: tuple[int, ...]
+    mesh_axis: str
+    dtype: str
+    shape_in: str
+    shape_out: str
+    bytes_in: int
+    bytes_out: int
+    sent: int
+    received: int
+    est_ms: float | None
+    overlap_ops: int | None
+    file: str
+    line: int
+    function: str
+    source: str
+    module: str
+    origin: str
+    placements_before: str
+    placements_after: str
+    placements_basis: str
+    alternative: str
+    alternative_basis: str
+    ranks: tuple[int, ...]
+    sent_by_rank: tuple[tuple[int, int], ...]
+    inlined: bool = False
+
+    @property
+    def location(self) -> str:
+        return f"{self.file}:{self.line}" if self.file else "-"
+
+
+@dataclasses.dataclass(frozen=True)
+class ModuleComm:
+    """Collectives of one module in one phase (inlined graphs left out); bytes sent per rank (worst rank)."""
+
+    module: str
+    phase: str
+    count: int
+    sent: int
+    est_ms: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Comm:
+    """The communication report: every collective of every compiled graph, and totals.
+
+    ``bytes_per_step``: bytes one rank sends in one step (worst rank), each
+    compiled graph counted once (a graph that runs k times per step moves k
+    times that); what ``--comm-budget`` compares.  ``counts``: collectives per
+    (phase, kind), FSDP2's per-parameter collectives counted once per FSDP
+    group and phase as eager FSDP2 issues them (the like-with-like count);
+    ``eager_counts``: ``CommDebugMode``'s counts of the eager step, mapped to
+    the same kinds (``None``: the numerics check did not run).  ``missing``: graphs
+    with collectives that were not analysed (the report and its totals are
+    incomplete; ``--comm-budget`` then fails).
+    """
+
+    collectives: tuple[Collective, ...]
+    modules: tuple[ModuleComm, ...]
+    bytes_per_step: int
+    bytes_by_rank: tuple[tuple[int, int], ...]
+    est_ms_per_step: float
+    counts: tuple[tuple[str, str, int], ...]
+    eager_counts: tuple[tuple[str, str, int], ...] | None = None
+    missing: tuple[str, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
 class AuditReport:
     """Everything the audit found; ``str(report)`` is the terminal report.
 
@@ -233,6 +334,7 @@ class AuditReport:
     errors: tuple[str, ...] = ()
     stock: AuditReport | None = None
     numerics: Numerics | None = None
+    comm: Comm | None = None
     notes: tuple[str, ...] = ()
 
     # ---- totals (what the CI gate compares) ------------------------------------
@@ -302,6 +404,7 @@ def _to_plain(report: AuditReport) -> dict[str, Any]:
         "graphs": max((r.graphs for r in report.ranks), default=0),
         "hang_risks": list(report.hang_risks),
         "numerics_mismatches": None if report.numerics is None else len(report.numerics.mismatches),
+        "comm_bytes_per_step": None if report.comm is None else report.comm.bytes_per_step,
     }
     return out
 
@@ -379,6 +482,7 @@ def report_from_json(data: dict[str, Any]) -> AuditReport:
         )
     )
     return AuditReport(
+        comm=_comm_from_json(data.get("comm")),
         target=data.get("target", ""),
         world_size=data.get("world_size", len(ranks)),
         backend=data.get("backend", ""),
@@ -392,6 +496,35 @@ def report_from_json(data: dict[str, Any]) -> AuditReport:
         stock=None if stock is None else report_from_json(stock),
         numerics=numerics,
         notes=tuple(data.get("notes", ())),
+    )
+
+
+def _comm_from_json(c: dict[str, Any] | None) -> Comm | None:
+    if c is None:
+        return None
+
+    def triples(xs: Any) -> tuple[tuple[str, str, int], ...]:
+        return tuple((str(a), str(b), int(n)) for a, b, n in xs)
+
+    return Comm(
+        collectives=tuple(
+            Collective(
+                **{
+                    **x,
+                    "group_ranks": tuple(x["group_ranks"]),
+                    "ranks": tuple(x["ranks"]),
+                    "sent_by_rank": _pairs(x["sent_by_rank"]),
+                }
+            )
+            for x in c["collectives"]
+        ),
+        modules=tuple(ModuleComm(**m) for m in c["modules"]),
+        bytes_per_step=int(c["bytes_per_step"]),
+        bytes_by_rank=_pairs(c["bytes_by_rank"]),
+        est_ms_per_step=float(c["est_ms_per_step"]),
+        counts=triples(c["counts"]),
+        eager_counts=None if c.get("eager_counts") is None else triples(c["eager_counts"]),
+        missing=tuple(c.get("missing", ())),
     )
 
 

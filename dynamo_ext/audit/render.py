@@ -194,6 +194,10 @@ def renderables(report: AuditReport) -> Group:
         if extra is not None:
             parts.append(extra)
     parts.append(_ranks_table(report))
+    if report.comm is not None:
+        from .comm_render import comm_renderables
+
+        parts.append(comm_renderables(report.comm))
     num = report.numerics
     if num is not None:
         head = (

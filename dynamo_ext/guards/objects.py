@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from .. import _compat
 from .spec import GuardSpec
 
 
@@ -22,16 +23,20 @@ def _changes(kind: str, fields: tuple[str, ...], old: tuple[Any, ...], new: tupl
 
 # ---- process group: by identity ---------------------------------------------
 def extract_process_group(pg: Any) -> tuple[Any, ...]:
-    """(id, type name, group name, global ranks) of a ProcessGroup."""
+    """(id, type name, group name, global ranks, this process's group rank) of a ProcessGroup.
+
+    The group rank is there because ``pg.rank()`` folds to a constant: a group
+    re-created after ``destroy_process_group`` may reuse the old object's id.
+    """
     import torch.distributed as dist
 
     if not isinstance(pg, dist.ProcessGroup):
-        return (id(pg), type(pg).__name__, None, None)
+        return (id(pg), type(pg).__name__, None, None, None)
     try:
         ranks = tuple(dist.get_process_group_ranks(pg))
     except (RuntimeError, ValueError):  # not registered with the default group
         ranks = None
-    return (id(pg), type(pg).__name__, pg.group_name, ranks)
+    return (id(pg), type(pg).__name__, pg.group_name, ranks, pg.rank())
 
 
 def describe_process_group(old: tuple[Any, ...], new: tuple[Any, ...]) -> str | None:
@@ -39,19 +44,27 @@ def describe_process_group(old: tuple[Any, ...], new: tuple[Any, ...]) -> str | 
         return None
     if old[1:] == new[1:]:
         return f"process group changed: another group object with the same name {old[2]!r} and ranks {old[3]}"
-    return _changes("process group", ("object", "type", "name", "ranks"), old, new)
+    return _changes("process group", ("object", "type", "name", "ranks", "rank"), old, new)
 
 
-# ---- device mesh: by layout, dim names, device type and ranks -----------------
-MESH_FIELDS = ("type", "device type", "shape", "dim names", "ranks")
+# ---- device mesh: by layout, dim names, device type, ranks and groups ----------
+MESH_FIELDS = ("type", "device type", "shape", "dim names", "ranks", "process groups", "coordinate of this rank")
 
 
 def extract_device_mesh(mesh: Any) -> tuple[Any, ...]:
-    """(type name, device type, shape, dim names, flattened global ranks) of a DeviceMesh."""
+    """(type name, device type, shape, dim names, flattened global ranks, group names, coordinate) of a DeviceMesh.
+
+    The per-axis group names are part of the record because functional
+    collectives over the mesh bake them into the graph: a mesh of the same
+    layout built on other process groups must not run a graph compiled for
+    the old groups (issue 9).  The coordinate of this rank folds to constants
+    (local chunks, ``get_local_rank``); it differs only when the process
+    re-joins a re-created world as another rank.
+    """
     from torch.distributed.device_mesh import DeviceMesh
 
     if not isinstance(mesh, DeviceMesh):
-        return (type(mesh).__name__, None, None, None, None)
+        return (type(mesh).__name__, None, None, None, None, None, None)
     layout = mesh.mesh
     return (
         "DeviceMesh",
@@ -59,7 +72,14 @@ def extract_device_mesh(mesh: Any) -> tuple[Any, ...]:
         tuple(layout.shape),
         mesh.mesh_dim_names,
         tuple(layout.flatten().tolist()),
+        _compat.mesh_group_names(mesh),
+        _coordinate(mesh),
     )
+
+
+def _coordinate(mesh: Any) -> tuple[int, ...] | None:
+    coordinate = mesh.get_coordinate()
+    return None if coordinate is None else tuple(coordinate)
 
 
 def describe_device_mesh(old: tuple[Any, ...], new: tuple[Any, ...]) -> str | None:

@@ -14,9 +14,11 @@ not recompile, and a call with a different one fails with a reason in words.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import itertools
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -27,7 +29,27 @@ from .. import _compat
 # common case (a module's own mesh, the same placement constant) to one `is`.
 # The reason a guard failed is stored here by the check itself, so the
 # recompile message (guards/reasons.py) can say what changed.
-FAILURES: dict[str, str] = {}
+# NOTE [guards hold objects weakly]
+# A check keeps only a weak reference to the object it was traced with (for
+# the identity fast path) and the extracted record, which holds no distributed
+# object: a compiled function must not keep a destroyed process group or mesh
+# alive.  FAILURES keeps the newest MAX_FAILURES reasons (a reason is read right
+# after its guard failed), so a long-running program that recompiles often does
+# not grow it without bound.
+MAX_FAILURES = 1024
+
+
+class _BoundedFailures(collections.OrderedDict):
+    """A dict that keeps its newest ``MAX_FAILURES`` entries (assignment refreshes an entry)."""
+
+    def __setitem__(self, key: str, value: str) -> None:
+        super().__setitem__(key, value)
+        self.move_to_end(key)
+        while len(self) > MAX_FAILURES:
+            self.popitem(last=False)
+
+
+FAILURES: dict[str, str] = _BoundedFailures()
 _keys = itertools.count()
 
 
@@ -63,11 +85,11 @@ def make_checker(spec: GuardSpec, obj: Any, key: str, label: str = "") -> Callab
     """
     prefix = f"{label}: " if label else ""
     meta = spec.extract(obj)
-
-    fast = spec.identity_fast_path
+    traced = _reference(obj) if spec.identity_fast_path else None
+    del obj  # NOTE [guards hold objects weakly]
 
     def check(value: Any) -> bool:
-        if fast and value is obj:
+        if traced is not None and value is not None and value is traced():
             return True
         actual = spec.extract(value)
         if actual == meta:
@@ -76,6 +98,18 @@ def make_checker(spec: GuardSpec, obj: Any, key: str, label: str = "") -> Callab
         return False
 
     return check
+
+
+def _reference(obj: Any) -> Callable[[], Any]:
+    """A weak reference to ``obj``; a strong one only for objects that take no weak reference.
+
+    Process groups and meshes take weak references; the strong fallback is for
+    small immutable values (placements), which hold no resource.
+    """
+    try:
+        return weakref.ref(obj)
+    except TypeError:
+        return lambda: obj
 
 
 @functools.cache

@@ -32,6 +32,7 @@ def install(patches: Patcher) -> None:
     from . import bucketing, ops, rms_norm_fusion, rms_norm_lowering
     from .registry import append_post_grad_passes, install_lowerings
 
+    patches.on_undo(_compat.forget_symm_mem_groups)  # NOTE [symmetric memory route]
     ops.define_ops(patches)
     install_lowerings(patches, rms_norm_lowering.rules())
     append_post_grad_passes(patches, [rms_norm_fusion.ResidualRMSNormPass(), bucketing.AllReduceBucketingPass()])

@@ -15,43 +15,21 @@ the weight, ``out_dtype`` after the weight.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from .._patching import Patcher
 from . import _compat
+from .kernels.reference import residual_rms_norm_reference
 from .options import options
 
+log = logging.getLogger(__name__)
 NAMESPACE = "dynamo_ext"
 
 _EPILOGUE_ARGS = "Tensor input, Tensor residual, Tensor? weight, float eps, ScalarType? upcast, ScalarType? mid_dtype, ScalarType? out_dtype"
 RESIDUAL_RMS_NORM_SCHEMA = f"residual_rms_norm({_EPILOGUE_ARGS}) -> (Tensor, Tensor, Tensor)"
 ONE_SHOT_SCHEMA = f"one_shot_all_reduce_residual_rms_norm({_EPILOGUE_ARGS}, str group_name) -> Tensor[]"
-
-
-def residual_rms_norm_reference(
-    input: torch.Tensor,
-    residual: torch.Tensor,
-    weight: torch.Tensor | None,
-    eps: float,
-    upcast: torch.dtype | None = None,
-    mid_dtype: torch.dtype | None = None,
-    out_dtype: torch.dtype | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(input + residual, rms_norm(input + residual) [* weight], rstd)`` in plain PyTorch.
-
-    The same aten ops, in the same order and dtypes, as the chain the pass replaces.
-    """
-    summed = input + residual
-    h = summed.to(upcast) if upcast is not None else summed
-    rstd = torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    y = h * rstd
-    if mid_dtype is not None:
-        y = y.to(mid_dtype)
-    if weight is not None:
-        y = y * weight
-    if out_dtype is not None:
-        y = y.to(out_dtype)
-    return summed, y, rstd
 
 
 def _one_shot_fallback(
@@ -85,6 +63,43 @@ def fused_all_reduce_algorithm(nbytes: int) -> str | None:
     return None
 
 
+def kernel_refusal(
+    input: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor | None,
+    upcast: torch.dtype | None = None,
+    mid_dtype: torch.dtype | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> str | None:
+    """None when the fused kernels take these tensors' layouts, else why not (checked before any launch).
+
+    Only shapes, dtypes and strides, which every rank shares, so a refusal sends every
+    rank to the fallback together.  The compiled path never meets one: its lowering
+    hands the op a contiguous comm buffer and contiguous residual and weight.
+    """
+    if input.dtype not in (torch.float32, torch.bfloat16, torch.float16) or residual.dtype != input.dtype:
+        return f"dtypes {input.dtype} / {residual.dtype}"
+    if input.shape != residual.shape:
+        return f"shapes {tuple(input.shape)} / {tuple(residual.shape)}"
+    if not (input.is_contiguous() and residual.is_contiguous()):
+        return "a non-contiguous input or residual"
+    if weight is not None and (weight.numel() != input.shape[-1] or not weight.is_contiguous()):
+        return f"weight {tuple(weight.shape)} (contiguous: {weight.is_contiguous()})"
+    from .kernels.one_shot_all_reduce_rms_norm import output_dtypes
+
+    try:
+        output_dtypes(
+            input.dtype,
+            None if weight is None else weight.dtype,
+            upcast=upcast,
+            mid_dtype=mid_dtype,
+            out_dtype=out_dtype,
+        )
+    except ValueError as e:
+        return str(e)
+    return None
+
+
 def _one_shot_cuda(
     input: torch.Tensor,
     residual: torch.Tensor,
@@ -95,25 +110,43 @@ def _one_shot_cuda(
     out_dtype: torch.dtype | None,
     group_name: str,
 ) -> list[torch.Tensor]:
-    """CUDA: the one-shot or two-shot Triton kernel when ``input`` lives in symmetric memory, else the fallback."""
+    """CUDA: the one-shot or two-shot Triton kernel when ``input`` lives in symmetric memory, else the fallback.
+
+    Which path runs depends only on what every rank shares (NOTE [symmetric memory
+    route] in _compat.py): the layouts (:func:`kernel_refusal`) and whether the input
+    is a symmetric-memory allocation, which the compiled graph makes it on every rank
+    and an eager call on none.  A rendezvous that then fails raises: falling back on
+    this rank alone would leave the others waiting in the kernel's barrier.
+    """
     from .kernels import one_shot_all_reduce_rms_norm as launcher
     from .kernels import two_shot_all_reduce_rms_norm as two_shot
     from .kernels.peer_buffers import PeerBuffers
 
+    refusal = kernel_refusal(input, residual, weight, upcast, mid_dtype, out_dtype)
+    if refusal is not None or _compat.is_symm_mem_tensor(input) is False:
+        log.debug("fused all-reduce kernel not used at run time: %s", refusal or "input not in symmetric memory")
+        return _one_shot_fallback(input, residual, weight, eps, upcast, mid_dtype, out_dtype, group_name)
     try:
         peers = PeerBuffers.from_symmetric_memory(input, group_name)
-    except RuntimeError:  # not a symmetric-memory allocation (an eager call): plain collective
-        return _one_shot_fallback(input, residual, weight, eps, upcast, mid_dtype, out_dtype, group_name)
+    except RuntimeError as e:
+        raise RuntimeError(
+            f"dynamo_ext: rendezvous of a symmetric-memory input on group {group_name!r} failed on this rank; "
+            "the other ranks run the fused kernel, so this rank cannot fall back alone"
+        ) from e
     casts = {"eps": eps, "upcast": upcast, "mid_dtype": mid_dtype, "out_dtype": out_dtype}
     if peers.world_size > 1 and fused_all_reduce_algorithm(input.numel() * input.element_size()) == "two_shot":
         final = launcher.check_arguments(
             input, residual, weight, upcast=upcast, mid_dtype=mid_dtype, out_dtype=out_dtype
         )[2]
-        try:  # the results are staged in the group's workspace (same size on every rank: a collective call)
+        # The workspace is the same size on every rank (a collective call).  It cannot grow during
+        # CUDA graph capture, which every rank is in or none is: the one-shot kernel needs no workspace.
+        try:
             staging = PeerBuffers.symmetric_workspace(
                 group_name, two_shot.staging_nbytes(tuple(input.shape), input.dtype, final), input.device
             )
-        except RuntimeError:  # it would have to grow during CUDA graph capture: one-shot needs no workspace
+        except RuntimeError:
+            if not torch.cuda.is_current_stream_capturing():
+                raise
             staging = None
         if staging is not None:
             return list(

@@ -8,6 +8,7 @@ other settings.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 
 
 @dataclasses.dataclass
@@ -49,10 +50,39 @@ class LoweringOptions:
     inputs stay stock all-reduces.  At most ``one_shot_max_bytes`` turns the two-shot kernel off."""
 
     one_shot_max_hidden: int = 16384
-    """Largest row the one-shot kernel keeps in registers (one program per row)."""
+    """Longest row (elements) the fused all-reduce kernels take.  Rows above 4096 elements
+    (``kernels.one_shot_all_reduce_rms_norm.MAX_BLOCK_N``) are walked in chunks, two passes,
+    so registers hold one 4096-element chunk at a time, never the row."""
 
     def cache_key(self) -> str:
         return repr(dataclasses.astuple(self))
+
+    # ---- bad input (issue 9): checked when set, not deep inside a compile --------------
+    def __setattr__(self, name: str, value: object) -> None:
+        """Set a field, refusing unknown names and values of the wrong kind.
+
+        Raises:
+            AttributeError: ``name`` is not a field (with the closest field names).
+            TypeError: a switch that is not a bool, a size that is not an int, a
+                device list that is not a tuple of str.
+            ValueError: a negative size.
+        """
+        fields = {f.name: f for f in dataclasses.fields(self)}
+        if name not in fields:
+            close = difflib.get_close_matches(name, fields, n=2)
+            hint = f"; did you mean {' or '.join(close)}?" if close else f"; the fields are {', '.join(fields)}"
+            raise AttributeError(f"LoweringOptions has no option {name!r}{hint}")
+        kind = type(getattr(LoweringOptions, name))  # the default's type
+        if kind is bool and not isinstance(value, bool):
+            raise TypeError(f"options.{name} is a switch: set True or False, got {value!r}")
+        if kind is int:
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"options.{name} is a size (an int), got {type(value).__name__} {value!r}")
+            if value < 0:
+                raise ValueError(f"options.{name} must be 0 or more, got {value}")
+        if kind is tuple and not (isinstance(value, tuple) and all(isinstance(v, str) for v in value)):
+            raise TypeError(f"options.{name} is a tuple of device types such as ('cuda',), got {value!r}")
+        object.__setattr__(self, name, value)
 
 
 options = LoweringOptions()

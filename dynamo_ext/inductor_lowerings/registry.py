@@ -11,11 +11,15 @@ entries back); our post-grad passes are appended to whatever
 from __future__ import annotations
 
 import dataclasses
+import functools
+import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from .._patching import Patcher
 from . import _compat
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,14 +87,80 @@ def _as_pass_list(value: Any) -> list[Any]:
     return [value]
 
 
+# NOTE [user passes set after install]
+# install() appends our passes after whatever the slot held (a user's pass set
+# before install runs first).  A user (or library) may also set the slot after
+# install: ``config.post_grad_custom_post_pass = theirs`` replaces our chain.
+# So at the start of every Inductor compile (a wrapper of ``compile_fx``) the
+# slot is checked, and when none of our passes is in it, ours are chained after
+# what it holds now, in the config itself, so the FX graph cache key (computed
+# from the slot's ``uuid()``s) covers them.  uninstall() then takes exactly our
+# passes out of whatever chain the slot holds, and leaves a slot holding none of
+# ours (the user's own value) alone; a slot still holding what install() set is
+# restored to its value before install.  Compiles that bypass ``torch.compile``'s
+# ``inductor`` backend (calling ``compile_fx`` imported earlier) see the slot as
+# the user left it.
+def _members(value: Any) -> list[Any]:
+    """Every pass in ``value``, nested chains flattened."""
+    out: list[Any] = []
+    for p in _as_pass_list(value):
+        out += _members(p) if isinstance(p, (ChainedGraphPass, list, tuple)) else [p]
+    return out
+
+
+def _holds_any(value: Any, passes: Sequence[Any]) -> bool:
+    return any(m is p for m in _members(value) for p in passes)
+
+
+def _without(value: Any, passes: Sequence[Any]) -> Any:
+    """``value`` with ``passes`` taken out: ``None``, the one pass left, or a chain of the rest."""
+    rest = [m for m in _members(value) if not any(m is p for p in passes)]
+    if not rest:
+        return None
+    return rest[0] if len(rest) == 1 else ChainedGraphPass(rest)
+
+
 def append_post_grad_passes(
     patches: Patcher, passes: Sequence[Any], *, slot: str = "post_grad_custom_post_pass"
 ) -> None:
-    """Append ``passes`` after the pass(es) already in ``inductor.config.<slot>``."""
+    """Append ``passes`` after the pass(es) in ``inductor.config.<slot>``, now and at each later compile.
+
+    See NOTE [user passes set after install].
+
+    Raises:
+        ValueError: ``slot`` is not one of Inductor's post-grad custom pass settings.
+    """
     config = _compat.inductor_config()
     if not hasattr(config, slot):
         raise ValueError(
             f"torch._inductor.config has no {slot!r}; expected 'post_grad_custom_post_pass' or 'post_grad_custom_pre_pass'"
         )
-    chained = ChainedGraphPass([*_as_pass_list(getattr(config, slot)), *passes])
-    patches.setattr(config, slot, chained)
+    ours = tuple(passes)
+    before = getattr(config, slot)
+    installed = ChainedGraphPass([*_as_pass_list(before), *ours])
+    setattr(config, slot, installed)
+
+    def undo() -> None:
+        current = getattr(config, slot)
+        if current is installed:
+            setattr(config, slot, before)
+        elif _holds_any(current, ours):
+            setattr(config, slot, _without(current, ours))
+
+    patches.on_undo(undo)
+
+    def ensure_chained() -> None:
+        current = getattr(config, slot)
+        if not _holds_any(current, ours):
+            log.info("inductor.config.%s was replaced after install; chaining dynamo-ext's passes after it", slot)
+            setattr(config, slot, ChainedGraphPass([*_as_pass_list(current), *ours]))
+
+    module = _compat.compile_fx_module()
+    stock_compile_fx = module.compile_fx
+
+    @functools.wraps(stock_compile_fx)
+    def compile_fx(*args: Any, **kwargs: Any) -> Any:
+        ensure_chained()
+        return stock_compile_fx(*args, **kwargs)
+
+    patches.setattr(module, "compile_fx", compile_fx)

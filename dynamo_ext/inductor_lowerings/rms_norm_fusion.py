@@ -32,14 +32,18 @@ Inductor's comm reordering still sees a collective.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import operator
 from typing import Any
 
 import torch
 import torch.fx
 
-from . import _compat, ops
+from . import _compat, decisions, ops
 from .options import options
+
+log = logging.getLogger(__name__)
+FUSION = "residual_rms_norm"
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -225,13 +229,19 @@ def _match_fused_op(base: dict[str, Any], add: torch.fx.Node, hidden: int, ndim:
 
 def match_residual_rms_norm(all_reduce: torch.fx.Node) -> ResidualRMSNormMatch | None:
     """The chain that starts at ``all_reduce`` (a ``_c10d_functional.all_reduce`` node), or None."""
+    return match_or_reason(all_reduce)[0]
+
+
+def match_or_reason(all_reduce: torch.fx.Node) -> tuple[ResidualRMSNormMatch | None, str]:
+    """``(match, "")``, or ``(None, the first step of the chain that is missing)``."""
     wait = _sole_user(all_reduce)
     if not _is(wait, c10d.wait_tensor.default):
-        return None
+        return None, "the all-reduce's only reader is not a wait_tensor"
     reduced_val = _val(wait)
     if not _static_shape(reduced_val) or reduced_val.ndim < 1 or not reduced_val.dtype.is_floating_point:
-        return None
+        return None, "the reduced tensor is not a floating-point tensor of static shape"
     hidden, ndim = reduced_val.shape[-1], reduced_val.ndim
+    reason = "no residual add of the same shape and dtype reads the reduced tensor"
     for add in wait.users:
         if not _is(add, aten.add.Tensor) or add.kwargs.get("alpha", 1) != 1:
             continue
@@ -242,8 +252,9 @@ def match_residual_rms_norm(all_reduce: torch.fx.Node) -> ResidualRMSNormMatch |
         base = {"all_reduce": all_reduce, "wait": wait, "add": add, "residual": residual}
         found = _match_decomposed(base, add, hidden, ndim) or _match_fused_op(base, add, hidden, ndim)
         if found is not None:
-            return found
-    return None
+            return found, ""
+        reason = "no RMSNorm over the last dim (square, mean, + eps, rsqrt, mul) reads the residual sum"
+    return None, reason
 
 
 # ---- predicates (FX level) --------------------------------------------------------------
@@ -274,26 +285,59 @@ def _one_shot_dtypes_supported(match: ResidualRMSNormMatch) -> bool:
 
 
 def should_lower_as_one_shot(match: ResidualRMSNormMatch) -> bool:
-    """Fold the all-reduce in too: CUDA, sum, symmetric memory for the group, small, supported dtypes.
+    """Fold the all-reduce in too (:func:`one_shot_refusal` finds nothing against it)."""
+    return one_shot_refusal(match) is None
 
-    "Small": up to ``options.two_shot_max_bytes``; the op picks the one-shot or the
-    two-shot kernel by size when it runs (:func:`ops.fused_all_reduce_algorithm`).
+
+def one_shot_refusal(match: ResidualRMSNormMatch) -> str | None:
+    """None when the fused all-reduce kernel applies, else the first condition that failed.
+
+    Conditions: on, a device of ``options.one_shot_device_types``, a sum, the reduced
+    tensor read only by the add, fp32/bf16/fp16, at most ``options.two_shot_max_bytes``
+    (the op picks the one-shot or the two-shot kernel by size when it runs,
+    :func:`ops.fused_all_reduce_algorithm`), rows of at most ``options.one_shot_max_hidden``,
+    triton, Inductor comm buffers and symmetric memory in this build, the chain's dtypes.
+    Every input is the same on every rank (the graph, the options, the build): no
+    local state such as the deprecated symmetric-memory registry (NOTE [symmetric
+    memory route] in _compat.py), so every rank decides alike.
     """
     val = _val(match.all_reduce.args[0])
-    return (
-        options.one_shot
-        and isinstance(val, torch.Tensor)
-        and val.device.type in options.one_shot_device_types
-        and match.reduce_op == "sum"
-        and len(match.wait.users) == 1
-        and val.dtype in (torch.float32, torch.bfloat16, torch.float16)
-        and ops.fused_all_reduce_algorithm(val.numel() * val.element_size()) is not None
-        and val.shape[-1] <= options.one_shot_max_hidden
-        and _compat.has_triton()
-        and _compat.comm_buffer_api() is not None
-        and _compat.is_symm_mem_enabled_for_group(match.group_name)
-        and _one_shot_dtypes_supported(match)
+    checks = (
+        (lambda: options.one_shot, "options.one_shot is off"),
+        (lambda: isinstance(val, torch.Tensor), "the all-reduce input has no example value"),
+        (
+            lambda: val.device.type in options.one_shot_device_types,
+            f"device {getattr(val, 'device', None)} is not in options.one_shot_device_types "
+            f"{options.one_shot_device_types}",
+        ),
+        (lambda: match.reduce_op == "sum", f"reduce op {match.reduce_op!r} is not 'sum'"),
+        (lambda: len(match.wait.users) == 1, "the reduced tensor has readers besides the residual add"),
+        (
+            lambda: val.dtype in (torch.float32, torch.bfloat16, torch.float16),
+            f"dtype {getattr(val, 'dtype', None)} is not float32, bfloat16 or float16",
+        ),
+        (
+            lambda: ops.fused_all_reduce_algorithm(val.numel() * val.element_size()) is not None,
+            f"{_nbytes(val)} bytes > options.two_shot_max_bytes ({options.two_shot_max_bytes})",
+        ),
+        (
+            lambda: val.shape[-1] <= options.one_shot_max_hidden,
+            f"rows of {val.shape[-1] if isinstance(val, torch.Tensor) else '?'} elements > "
+            f"options.one_shot_max_hidden ({options.one_shot_max_hidden})",
+        ),
+        (_compat.has_triton, "triton is not installed"),
+        (lambda: _compat.comm_buffer_api() is not None, "this Inductor has no symmetric-memory comm buffers"),
+        (lambda: _compat.symm_mem_route() != "none", "this torch build has no symmetric memory"),
+        (lambda: _one_shot_dtypes_supported(match), "the chain's casts are not supported by the kernel"),
     )
+    for ok, reason in checks:
+        if not ok():
+            return reason
+    return None
+
+
+def _nbytes(val: Any) -> int:
+    return val.numel() * val.element_size() if isinstance(val, torch.Tensor) else 0
 
 
 # ---- rewriting -----------------------------------------------------------------------------
@@ -357,19 +401,38 @@ def rewrite(graph: torch.fx.Graph, match: ResidualRMSNormMatch, *, one_shot: boo
 
 
 def fuse_residual_rms_norm(graph: torch.fx.Graph) -> int:
-    """Rewrite every matching chain in ``graph``; return how many were fused."""
+    """Rewrite every matching chain in ``graph``; return how many were fused.
+
+    Logs each all-reduce's outcome on this module's logger (``dynamo_ext.inductor_lowerings``
+    tree) and records each applied fusion (:mod:`.decisions`).
+    """
     if not options.residual_rms_norm:
+        log.debug("residual_rms_norm off (options.residual_rms_norm = False)")
         return 0
     pos = _position(graph)
     count = 0
     for node in list(graph.nodes):
         if not _is(node, c10d.all_reduce.default):
             continue
-        match = match_residual_rms_norm(node)
-        if match is None or not should_fuse_residual_rms_norm(match, pos):
+        name = node.name
+        match, reason = match_or_reason(node)
+        if match is None:
+            decisions.not_applied(log, fusion=FUSION, node=name, reason=reason)
             continue
-        rewrite(graph, match, one_shot=should_lower_as_one_shot(match))
+        if not should_fuse_residual_rms_norm(match, pos):
+            decisions.not_applied(log, fusion=FUSION, node=name, reason="the norm weight is computed after the add")
+            continue
+        refusal = one_shot_refusal(match)
+        nbytes = _nbytes(_val(match.all_reduce.args[0]))
+        group_name = match.group_name
+        if refusal is None:
+            _compat.ensure_symm_mem_for_group(group_name)  # NOTE [symmetric memory route]
+        rewrite(graph, match, one_shot=refusal is None)
         count += 1
+        kernel = "epilogue" if refusal is not None else ops.fused_all_reduce_algorithm(nbytes)
+        decisions.applied(log, fusion=FUSION, kernel=str(kernel), group_name=group_name, nbytes=nbytes, node=name)
+        if refusal is not None:
+            decisions.not_applied(log, fusion="fused all-reduce kernel", node=name, reason=refusal)
     if count:
         graph.lint()
     return count

@@ -11,14 +11,16 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Any
 
 import torch
 
-from . import _compat, ops
+from . import _compat, decisions, ops
 from .options import options
 from .registry import LoweringRule
 
+log = logging.getLogger(__name__)
 aten = torch.ops.aten
 prims = torch.ops.prims
 c10d = torch.ops._c10d_functional
@@ -133,22 +135,52 @@ RESIDUAL_RMS_NORM_RULE = LoweringRule(
 def should_lower_one_shot_collective(
     input: Any, residual: Any, weight: Any, eps: float, upcast: Any, mid_dtype: Any, out_dtype: Any, group_name: str
 ) -> bool:
-    """Lowering-time check (as stock's one-shot lowering does): symmetric memory, device, static shape."""
+    """Lowering-time check (as stock's one-shot lowering does): device, comm buffers, static shapes.
+
+    Like the pass's, it reads only what every rank shares; a ``False`` is logged with
+    the first condition that failed, and the op then lowers to stock all-reduce + our epilogue.
+    """
     device = input.get_device()
-    return (
-        device is not None
-        and device.type in options.one_shot_device_types
-        and _compat.comm_buffer_api() is not None
-        and _compat.is_symm_mem_enabled_for_group(group_name)
-        and all(getattr(s, "is_number", False) for s in input.get_size())
-        and list(input.get_size()) == list(residual.get_size())
+    checks = (
+        (lambda: device is not None, "the input has no device"),
+        (
+            lambda: device.type in options.one_shot_device_types,
+            f"device {device} is not in options.one_shot_device_types {options.one_shot_device_types}",
+        ),
+        (lambda: _compat.comm_buffer_api() is not None, "this Inductor has no symmetric-memory comm buffers"),
+        (lambda: _compat.symm_mem_route() != "none", "this torch build has no symmetric memory"),
+        (lambda: all(getattr(s, "is_number", False) for s in input.get_size()), "the input's shape is symbolic"),
+        (lambda: list(input.get_size()) == list(residual.get_size()), "input and residual shapes differ"),
     )
+    for ok, reason in checks:
+        if not ok():
+            decisions.not_applied(log, fusion="one_shot_all_reduce lowering", node=group_name, reason=reason)
+            return False
+    return True
+
+
+def _contiguous_storage(x: Any) -> bool:
+    """``x`` is a whole buffer (no view) whose layout, if already fixed, is contiguous."""
+    ir = _compat.ir_module()
+    if not isinstance(x, ir.TensorBox) or not isinstance(x.data, ir.StorageBox):
+        return False  # a view (transpose, slice, ...): its strides are not the buffer's
+    data = x.data.data
+    if isinstance(data, ir.Loops):
+        return True  # realized below with a fresh, contiguous layout
+    layout = data.get_output_spec() if hasattr(data, "get_output_spec") else None
+    return bool(getattr(layout, "is_contiguous", lambda: False)())
 
 
 def _into_comm_buffer(x: Any, group_name: str) -> Any:
+    """``x`` realized as a contiguous symmetric-memory comm buffer; copied into one when we do not own it.
+
+    Every layout is handled here, before lowering finishes: an input buffer, a view or a
+    buffer frozen with non-contiguous strides becomes a contiguous copy, so the kernel's
+    launcher never sees a layout it refuses.
+    """
     can, realize, symm = _compat.comm_buffer_api()  # type: ignore[misc]
     ir = _compat.ir_module()
-    if not can(x, symm):  # an input we do not allocate: copy it into one we do
+    if not (_contiguous_storage(x) and can(x, symm)):
         x.realize()
         x = ir.Pointwise.create(
             device=x.get_device(), dtype=x.get_dtype(), inner_fn=x.make_loader(), ranges=x.get_size()

@@ -43,6 +43,19 @@ def _check_same_mesh(t: DTensor, mesh: Any, what: str) -> None:
         )
 
 
+def _check_arguments(t: Any, mesh: Any, what: str) -> None:
+    """TypeError naming the argument when ``t`` is no tensor or ``mesh`` no DeviceMesh (issue 9, bad input)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{what}: expected a tensor (or DTensor) to shard, got {type(t).__name__}")
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(
+            f"{what}: mesh must be a dynamo_ext.spmd.Mesh or a DeviceMesh, got {type(mesh).__name__}; "
+            "build one with Mesh(device_ids, mesh_shape, axis_names) or init_device_mesh"
+        )
+
+
 def mark_sharding(t: torch.Tensor, mesh: Any, partition_spec: _spec.PartitionSpec) -> DTensor:
     """Shard ``t`` over ``mesh`` as ``partition_spec`` says (torch_xla's ``xs.mark_sharding``).
 
@@ -60,6 +73,7 @@ def mark_sharding(t: torch.Tensor, mesh: Any, partition_spec: _spec.PartitionSpe
         itself is not changed: use the returned tensor.
 
     Raises:
+        TypeError: ``t`` is not a tensor or ``mesh`` not a ``DeviceMesh``.
         ValueError: a bad spec (torch_xla's messages: length not the rank of
             ``t``, unknown axis name, an axis used twice, an index out of range);
             a layout DTensor cannot represent (see :mod:`.partition_spec`); ``t`` is
@@ -72,6 +86,7 @@ def mark_sharding(t: torch.Tensor, mesh: Any, partition_spec: _spec.PartitionSpe
         d.placements      # (Shard(dim=0), Replicate())
         d.to_local()      # rows 0-1 on ranks 0, 1; rows 2-3 on ranks 2, 3
     """
+    _check_arguments(t, mesh, "mark_sharding")
     placements = _spec.to_placements(mesh, partition_spec, t.shape)
     if isinstance(t, DTensor):
         _check_same_mesh(t, mesh, "mark_sharding")

@@ -15,6 +15,7 @@ as arguments (see NOTE [distributed objects in graphs] in base.py).
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 from .. import _compat
@@ -28,8 +29,11 @@ from .functions import fold_call, register_handler, register_polyfill
 # process groups it creates match across ranks.  Later calls of the compiled
 # code reuse that mesh: eager would build an equal mesh each call, so the
 # results are the same, without a rendezvous per call.  Meshes are memoized
-# by their arguments so a recompile does not create new groups either.
-_MESH_CACHE: dict[Any, Any] = {}
+# by their arguments (per world) so a recompile does not create new groups
+# either; the graph is guarded on the world and this rank (guards/world.py).
+_MESH_CACHE: dict[Any, tuple[Any, Any]] = {}
+# Set by register(): whether eager distribute_tensor refuses mixed Partial reduce ops (a _compat probe).
+_REJECT_MIXED_PARTIALS = False
 
 
 def _hashable(x: Any) -> Any:
@@ -43,10 +47,18 @@ def _hashable(x: Any) -> Any:
 def _memoized_mesh(fn: Any) -> Any:
     def make(*args: Any, **kwargs: Any) -> Any:
         # fold_call passes only trace-time constants (a traced tensor is a graph break first).
+        # Memoized per world: after the world is destroyed and created again the old meshes'
+        # groups are gone, so the entries of other worlds are dropped (which also bounds the table).
+        import torch.distributed as dist
+
+        world = dist.group.WORLD if dist.is_initialized() else None
+        for stale in [k for k, (w, _) in _MESH_CACHE.items() if w() is not world]:
+            del _MESH_CACHE[stale]
         key = (fn, _hashable(args), _hashable(kwargs))
         if key not in _MESH_CACHE:
-            _MESH_CACHE[key] = fn(*args, **kwargs)
-        return _MESH_CACHE[key]
+            mesh = fn(*args, **kwargs)
+            _MESH_CACHE[key] = ((lambda: None) if world is None else weakref.ref(world), mesh)
+        return _MESH_CACHE[key][1]
 
     make.__qualname__ = getattr(fn, "__qualname__", "make_mesh")
     return make
@@ -56,6 +68,9 @@ def _mesh_handler(fn: Any) -> Any:
     make = _memoized_mesh(fn)
 
     def handler(tx: Any, args: list[Any], kwargs: dict[str, Any]) -> Any:
+        from ..guards.world import install_world_guard
+
+        install_world_guard()  # the graph bakes this world's groups and this rank's coordinate
         return fold_call(make, tx, args, kwargs)
 
     return handler
@@ -103,6 +118,15 @@ def distribute_tensor(tensor: Any, device_mesh: Any = None, placements: Any = No
             f"`placements` must have the same length as `device_mesh.ndim`! "
             f"Found placements length: {len(placements)}, and device_mesh.ndim: {device_mesh.ndim}."
         )
+    if _REJECT_MIXED_PARTIALS:
+        # Eager's assert_no_mixed_partial_types, with its message (the polyfill is traced, the helper is not).
+        reduce_ops = {p.reduce_op for p in placements if isinstance(p, Partial)}
+        if len(reduce_ops) > 1 and reduce_ops != {"sum", "avg"}:
+            raise ValueError(
+                f"Mixed Partial reduce types are not supported in the same placement list. "
+                f"Found reduce ops: {reduce_ops}. "
+                f"Please ensure all Partial placements use the same reduce operation."
+            )
     if isinstance(tensor, DTensor):
         if tensor.device_mesh != device_mesh:
             raise ValueError(
@@ -205,6 +229,8 @@ def register(patches: Patcher) -> None:
     # as `self`.  Those frames are construction code, never user code: skip them.
     for code in (init_device_mesh.__code__, DeviceMesh.__init__.__code__):
         patches.on_undo(_compat.skip_frames_of(code))
+    global _REJECT_MIXED_PARTIALS
+    _REJECT_MIXED_PARTIALS = _compat.dtensor_rejects_mixed_partials()
     register_polyfill(eager_distribute_tensor, distribute_tensor)
     register_handler(init_device_mesh, _mesh_handler(init_device_mesh))
     register_handler(DeviceMesh, _mesh_handler(DeviceMesh))

@@ -25,20 +25,33 @@ import triton.language as tl
 
 
 @triton.jit
-def _blockwise_barrier(signal_pad_ptrs, block_id, rank, WORLD_SIZE: tl.constexpr):
-    """Program ``block_id`` of every rank meets here (NOTE [one-shot barrier])."""
+def _blockwise_barrier(signal_pad_ptrs, block_id, rank, WORLD_SIZE: tl.constexpr, PEERS: tl.constexpr):
+    """Program ``block_id`` of every rank meets here (NOTE [one-shot barrier]), one lane per peer.
+
+    As PyTorch's symmetric-memory ``sync_remote_blocks`` (one thread per peer): lane
+    ``p`` raises this rank's slot in peer ``p``'s pad, then lowers peer ``p``'s slot in
+    this rank's pad, every peer at once.  A lane that is done (or a padding lane,
+    ``p >= WORLD_SIZE``, aimed at this rank's own slot) compares against 2, a value no
+    slot holds, so its compare-and-swap never writes.  ``PEERS``: ``WORLD_SIZE`` rounded
+    up to a power of two.
+    """
     pads = signal_pad_ptrs.to(tl.pointer_type(tl.int64))
-    local_pad = tl.load(pads + rank).to(tl.pointer_type(tl.int32))
+    peer = tl.arange(0, PEERS)
+    active = peer < WORLD_SIZE
+    local_pad = tl.load(pads + rank)
+    peer_pads = tl.load(pads + peer, mask=active, other=local_pad)
+    first = block_id * WORLD_SIZE
+    send = peer_pads.to(tl.pointer_type(tl.int32)) + first + rank
+    recv = local_pad.to(tl.pointer_type(tl.int32)) + first + tl.where(active, peer, rank)
     tl.debug_barrier()
-    for peer in tl.static_range(WORLD_SIZE):
-        remote_pad = tl.load(pads + peer).to(tl.pointer_type(tl.int32))
-        slot = remote_pad + block_id * WORLD_SIZE + rank
-        while tl.atomic_cas(slot, 0, 1, sem="release", scope="sys") != 0:
-            pass
-    for peer in tl.static_range(WORLD_SIZE):
-        slot = local_pad + block_id * WORLD_SIZE + peer
-        while tl.atomic_cas(slot, 1, 0, sem="acquire", scope="sys") != 1:
-            pass
+    pending = active
+    while tl.max(pending.to(tl.int32), axis=0) > 0:
+        old = tl.atomic_cas(send, tl.where(pending, 0, 2), tl.where(pending, 1, 2), sem="release", scope="sys")
+        pending = pending & (old != 0)
+    pending = active
+    while tl.max(pending.to(tl.int32), axis=0) > 0:
+        old = tl.atomic_cas(recv, tl.where(pending, 1, 2), tl.where(pending, 0, 2), sem="acquire", scope="sys")
+        pending = pending & (old != 1)
     tl.debug_barrier()
 
 
@@ -59,47 +72,110 @@ def _round(x, DTYPE: tl.constexpr):
 
 
 @triton.jit
-def _reduce_row_residual_rms_norm(
+def _peer_sum_plus_residual(table, input_base, cols, mask, residual_row, DTYPE: tl.constexpr,
+                            WORLD_SIZE: tl.constexpr, VEC: tl.constexpr):  # fmt: skip
+    """Columns ``cols`` of one row summed over every peer's buffer, rounded, plus the residual, rounded.
+
+    ``table``: int64 addresses of each rank's buffer; ``input_base``: the row's first
+    element there (a multiple of ``VEC``, and every buffer 16-byte aligned, when
+    ``VEC > 1``: the launcher checks both, so peer reads vectorize to 16 bytes).
+    Accumulates in fp32 in rank order, rounds once to ``DTYPE`` (the all-reduce
+    result), then the residual add rounds once more, as the aten ops do.
+    """
+    acc = tl.zeros(cols.shape, dtype=tl.float32)
+    for peer in tl.static_range(WORLD_SIZE):
+        ptrs = tl.load(table + peer).to(tl.pointer_type(DTYPE)) + input_base + cols
+        if VEC > 1:  # a pointer from a table carries no alignment: say it (16 bytes), or reads stay scalar
+            ptrs = tl.multiple_of(ptrs, [16])
+        acc += tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+    reduced = _round(acc, DTYPE)
+    res = tl.load(residual_row + cols, mask=mask, other=0.0).to(tl.float32)
+    return _round(reduced + res, DTYPE)
+
+
+@triton.jit
+def _normalize(h, rstd, weight_ptr, cols, mask, OUT_DTYPE: tl.constexpr, HAS_WEIGHT: tl.constexpr,
+               MID_DTYPE: tl.constexpr, PRODUCT_DTYPE: tl.constexpr):  # fmt: skip
+    """``h * rstd`` with the chain's casts (``MID_DTYPE`` before the weight, ``PRODUCT_DTYPE`` after)."""
+    y = h * rstd
+    if MID_DTYPE is not None:
+        y = _round(y, MID_DTYPE)
+    if HAS_WEIGHT:
+        y = y * tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        if PRODUCT_DTYPE is not None:
+            y = _round(y, PRODUCT_DTYPE)
+    return _round(y, OUT_DTYPE).to(OUT_DTYPE)
+
+
+@triton.jit
+def _fused_row(
     table,
-    input_offset,
-    offs,
-    mask,
-    residual_ptr,
-    w,
+    input_base,
+    residual_row,
+    weight_ptr,
+    sum_row,
+    norm_row,
+    rstd_slot,
+    sum_stage_row,
+    norm_stage_row,
+    rstd_stage_slot,
     n_cols,
     eps,
     DTYPE: tl.constexpr,
     OUT_DTYPE: tl.constexpr,
     WORLD_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    N_CHUNKS: tl.constexpr,
+    VEC: tl.constexpr,
     HAS_WEIGHT: tl.constexpr,
+    HAS_STAGE: tl.constexpr,
     MID_DTYPE: tl.constexpr,
     PRODUCT_DTYPE: tl.constexpr,
 ):
-    """One row, shared by the one- and two-shot kernels: ``(sum, normalized, rstd)``.
+    """One row, shared by the one- and two-shot kernels: writes ``sum``, ``normalized``, ``rstd``.
 
-    Sums the row at ``offs`` over every peer's buffer (``table``: int64 addresses)
-    in fp32, rounds once to ``DTYPE`` (the all-reduce result), adds the residual
-    (rounded once more, as aten does), then RMSNorm with the chain's casts
-    (``MID_DTYPE`` before the weight, ``PRODUCT_DTYPE`` after).  ``sum`` is
-    ``DTYPE``, ``normalized`` ``OUT_DTYPE``, ``rstd`` an fp32 scalar.
+    ``*_row`` / ``*_slot`` point at the row's first element / its rstd; with
+    ``HAS_STAGE`` each result is also written to the ``*_stage_*`` copies (two-shot).
+    With ``N_CHUNKS == 1`` the row (``BLOCK_N >= n_cols``) stays in registers.  Above
+    that the row is walked in ``N_CHUNKS`` chunks of ``BLOCK_N`` twice: the first pass
+    reduces over the peers, stores the residual sum and accumulates the sum of squares;
+    the second re-reads the stored sum (local memory, already rounded to ``DTYPE``, so
+    the same values) and normalizes, so registers hold one chunk, never the row.
     """
-    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for peer in tl.static_range(WORLD_SIZE):
-        peer_input = tl.load(table + peer).to(tl.pointer_type(DTYPE))
-        acc += tl.load(peer_input + input_offset + offs, mask=mask, other=0.0).to(tl.float32)
-    reduced = _round(acc, DTYPE)
-    res = tl.load(residual_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    h = _round(reduced + res, DTYPE)
-    rstd = tl.rsqrt(tl.sum(h * h, axis=0) / n_cols.to(tl.float32) + eps)
-    y = h * rstd
-    if MID_DTYPE is not None:
-        y = _round(y, MID_DTYPE)
-    if HAS_WEIGHT:
-        y = y * w
-        if PRODUCT_DTYPE is not None:
-            y = _round(y, PRODUCT_DTYPE)
-    return h.to(DTYPE), _round(y, OUT_DTYPE).to(OUT_DTYPE), rstd
+    cols = tl.arange(0, BLOCK_N).to(tl.int64)
+    if N_CHUNKS == 1:
+        mask = cols < n_cols
+        h = _peer_sum_plus_residual(table, input_base, cols, mask, residual_row, DTYPE, WORLD_SIZE, VEC)
+        rstd = tl.rsqrt(tl.sum(h * h, axis=0) / n_cols.to(tl.float32) + eps)
+        y = _normalize(h, rstd, weight_ptr, cols, mask, OUT_DTYPE, HAS_WEIGHT, MID_DTYPE, PRODUCT_DTYPE)
+        tl.store(sum_row + cols, h.to(DTYPE), mask=mask)
+        tl.store(norm_row + cols, y, mask=mask)
+        if HAS_STAGE:
+            tl.store(sum_stage_row + cols, h.to(DTYPE), mask=mask)
+            tl.store(norm_stage_row + cols, y, mask=mask)
+    else:
+        squares = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for chunk in range(N_CHUNKS):
+            c = chunk * BLOCK_N + cols
+            mask = c < n_cols
+            h = _peer_sum_plus_residual(table, input_base, c, mask, residual_row, DTYPE, WORLD_SIZE, VEC)
+            tl.store(sum_row + c, h.to(DTYPE), mask=mask)
+            if HAS_STAGE:
+                tl.store(sum_stage_row + c, h.to(DTYPE), mask=mask)
+            squares += h * h
+        rstd = tl.rsqrt(tl.sum(squares, axis=0) / n_cols.to(tl.float32) + eps)
+        tl.debug_barrier()  # the sums this program stored are visible to all its threads
+        for chunk in range(N_CHUNKS):
+            c = chunk * BLOCK_N + cols
+            mask = c < n_cols
+            h = tl.load(sum_row + c, mask=mask, other=0.0).to(tl.float32)
+            y = _normalize(h, rstd, weight_ptr, c, mask, OUT_DTYPE, HAS_WEIGHT, MID_DTYPE, PRODUCT_DTYPE)
+            tl.store(norm_row + c, y, mask=mask)
+            if HAS_STAGE:
+                tl.store(norm_stage_row + c, y, mask=mask)
+    tl.store(rstd_slot, rstd)
+    if HAS_STAGE:
+        tl.store(rstd_stage_slot, rstd)
 
 
 @triton.jit
@@ -117,7 +193,10 @@ def _one_shot_all_reduce_residual_rms_norm_kernel(
     eps,
     rank,
     WORLD_SIZE: tl.constexpr,
+    PEERS: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    N_CHUNKS: tl.constexpr,
+    VEC: tl.constexpr,
     HAS_WEIGHT: tl.constexpr,
     MID_DTYPE: tl.constexpr,
     PRODUCT_DTYPE: tl.constexpr,
@@ -126,32 +205,25 @@ def _one_shot_all_reduce_residual_rms_norm_kernel(
 
     ``buffer_ptrs`` / ``signal_pad_ptrs`` are addresses of int64 tables of each rank's
     buffer and signal pad as this process sees them; ``input_offset`` is the input's
-    element offset inside every rank's buffer (the same on all ranks).  The sum is
-    accumulated in fp32 and rounded once to the input dtype (the all-reduce result),
-    the residual add rounds once more, as the aten ops do; ``MID_DTYPE`` and
-    ``PRODUCT_DTYPE`` (None or a low-precision dtype) replay the chain's casts before
-    and after the weight.
+    element offset inside every rank's buffer (the same on all ranks).  Numerics:
+    :func:`_fused_row`.  ``PEERS``: ``WORLD_SIZE`` rounded up to a power of two;
+    ``BLOCK_N`` / ``N_CHUNKS``: the row in one block or in chunks; ``VEC``: elements per
+    aligned 16-byte peer read (1: no alignment promised).
     """
     pid = tl.program_id(0).to(tl.int64)
     n_programs = tl.num_programs(0)
     dtype: tl.constexpr = residual_ptr.dtype.element_ty
     out_dtype: tl.constexpr = norm_out_ptr.dtype.element_ty
-    cols = tl.arange(0, BLOCK_N).to(tl.int64)
     n_cols = tl.cast(n_cols, tl.int64)  # tl.cast: also takes a constexpr (Triton specializes 1)
-    mask = cols < n_cols
     eps = tl.cast(eps, tl.float32)  # a Python float under the interpreter, fp32 when compiled
     table = buffer_ptrs.to(tl.pointer_type(tl.int64))
 
-    _blockwise_barrier(signal_pad_ptrs, pid, rank, WORLD_SIZE)
-    # Without HAS_WEIGHT, weight_ptr is the residual: a valid read whose value is never used.
-    w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    _blockwise_barrier(signal_pad_ptrs, pid, rank, WORLD_SIZE, PEERS)
     for row in range(pid, n_rows, n_programs):
-        offs = row * n_cols + cols
-        h, y, rstd = _reduce_row_residual_rms_norm(
-            table, input_offset, offs, mask, residual_ptr, w, n_cols, eps,
-            dtype, out_dtype, WORLD_SIZE, BLOCK_N, HAS_WEIGHT, MID_DTYPE, PRODUCT_DTYPE,
+        offs = row * n_cols
+        _fused_row(
+            table, input_offset + offs, residual_ptr + offs, weight_ptr, sum_out_ptr + offs,
+            norm_out_ptr + offs, rstd_out_ptr + row, sum_out_ptr, norm_out_ptr, rstd_out_ptr, n_cols, eps,
+            dtype, out_dtype, WORLD_SIZE, BLOCK_N, N_CHUNKS, VEC, HAS_WEIGHT, False, MID_DTYPE, PRODUCT_DTYPE,
         )  # fmt: skip
-        tl.store(sum_out_ptr + offs, h, mask=mask)
-        tl.store(rstd_out_ptr + row, rstd)
-        tl.store(norm_out_ptr + offs, y, mask=mask)
-    _blockwise_barrier(signal_pad_ptrs, pid, rank, WORLD_SIZE)
+    _blockwise_barrier(signal_pad_ptrs, pid, rank, WORLD_SIZE, PEERS)

@@ -35,7 +35,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._one_shot_all_reduce_rms_norm_kernel import _blockwise_barrier, _reduce_row_residual_rms_norm
+from ._one_shot_all_reduce_rms_norm_kernel import _blockwise_barrier, _fused_row
 
 
 @triton.jit
@@ -67,7 +67,10 @@ def _two_shot_all_reduce_residual_rms_norm_kernel(
     eps,
     rank,
     WORLD_SIZE: tl.constexpr,
+    PEERS: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    N_CHUNKS: tl.constexpr,
+    VEC: tl.constexpr,
     HAS_WEIGHT: tl.constexpr,
     MID_DTYPE: tl.constexpr,
     PRODUCT_DTYPE: tl.constexpr,
@@ -85,8 +88,7 @@ def _two_shot_all_reduce_residual_rms_norm_kernel(
     element offsets (in the input dtype, the output dtype and fp32) of the staging
     areas, each ``[n_rows, ...]``, in every rank's staging buffer; they must not
     overlap the input or each other.  Numerics are the one-shot
-    kernel's: fp32 accumulation rounded once to the input dtype, the residual add
-    rounded once more, ``MID_DTYPE`` / ``PRODUCT_DTYPE`` replay the chain's casts.
+    kernel's (``_fused_row``), and so are ``PEERS``, ``BLOCK_N`` / ``N_CHUNKS`` and ``VEC``.
     """
     pid = tl.program_id(0).to(tl.int64)
     n_programs = tl.num_programs(0).to(tl.int64)
@@ -94,7 +96,6 @@ def _two_shot_all_reduce_residual_rms_norm_kernel(
     out_dtype: tl.constexpr = norm_out_ptr.dtype.element_ty
     cols = tl.arange(0, BLOCK_N).to(tl.int64)
     n_cols = tl.cast(n_cols, tl.int64)  # tl.cast: also takes a constexpr (Triton specializes 1)
-    mask = cols < n_cols
     eps = tl.cast(eps, tl.float32)  # a Python float under the interpreter, fp32 when compiled
     table = buffer_ptrs.to(tl.pointer_type(tl.int64))
     stage_table = staging_ptrs.to(tl.pointer_type(tl.int64))
@@ -104,25 +105,19 @@ def _two_shot_all_reduce_residual_rms_norm_kernel(
     rstd_stage = local_base.to(tl.pointer_type(tl.float32)) + rstd_stage_offset
 
     # 1-2. reduce-scatter this rank's rows, with the residual add and the norm
-    _blockwise_barrier(signal_pad_ptrs, pid, rank, WORLD_SIZE)
-    # Without HAS_WEIGHT, weight_ptr is the residual: a valid read whose value is never used.
-    w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    _blockwise_barrier(signal_pad_ptrs, pid, rank, WORLD_SIZE, PEERS)
     start, end = _slice_bounds(rank, n_rows, WORLD_SIZE)
     for row in range(start + pid, end, n_programs):
-        offs = row * n_cols + cols
-        h, y, rstd = _reduce_row_residual_rms_norm(
-            table, input_offset, offs, mask, residual_ptr, w, n_cols, eps,
-            dtype, out_dtype, WORLD_SIZE, BLOCK_N, HAS_WEIGHT, MID_DTYPE, PRODUCT_DTYPE,
+        offs = row * n_cols
+        _fused_row(
+            table, input_offset + offs, residual_ptr + offs, weight_ptr, sum_out_ptr + offs,
+            norm_out_ptr + offs, rstd_out_ptr + row, sum_stage + offs, norm_stage + offs, rstd_stage + row,
+            n_cols, eps, dtype, out_dtype, WORLD_SIZE, BLOCK_N, N_CHUNKS, VEC, HAS_WEIGHT, True,
+            MID_DTYPE, PRODUCT_DTYPE,
         )  # fmt: skip
-        tl.store(sum_out_ptr + offs, h, mask=mask)
-        tl.store(sum_stage + offs, h, mask=mask)
-        tl.store(norm_out_ptr + offs, y, mask=mask)
-        tl.store(norm_stage + offs, y, mask=mask)
-        tl.store(rstd_out_ptr + row, rstd)
-        tl.store(rstd_stage + row, rstd)
 
     # 3-4. all-gather the peers' finished rows (the same rows program pid wrote there)
-    _blockwise_barrier(signal_pad_ptrs, pid, rank, WORLD_SIZE)
+    _blockwise_barrier(signal_pad_ptrs, pid, rank, WORLD_SIZE, PEERS)
     for step in tl.static_range(1, WORLD_SIZE):
         peer = (rank + step) % WORLD_SIZE  # staggered, so ranks do not all read one peer at once
         peer_base = tl.load(stage_table + peer)
@@ -131,12 +126,17 @@ def _two_shot_all_reduce_residual_rms_norm_kernel(
         peer_rstd = peer_base.to(tl.pointer_type(tl.float32)) + rstd_stage_offset
         peer_start, peer_end = _slice_bounds(peer, n_rows, WORLD_SIZE)
         for row in range(peer_start + pid, peer_end, n_programs):
-            offs = row * n_cols + cols
-            h = tl.load(peer_sum + offs, mask=mask, other=0.0)
-            tl.store(sum_out_ptr + offs, h, mask=mask)
-            y = tl.load(peer_norm + offs, mask=mask, other=0.0)
-            tl.store(norm_out_ptr + offs, y, mask=mask)
+            for chunk in range(N_CHUNKS):  # copies: any chunk size holds in registers
+                offs = row * n_cols + chunk * BLOCK_N + cols
+                mask = chunk * BLOCK_N + cols < n_cols
+                sum_ptrs = peer_sum + offs
+                norm_ptrs = peer_norm + offs
+                if VEC > 1:  # staging areas start 16-byte aligned, rows are multiples of VEC
+                    sum_ptrs = tl.multiple_of(sum_ptrs, [16])
+                    norm_ptrs = tl.multiple_of(norm_ptrs, [16])
+                tl.store(sum_out_ptr + offs, tl.load(sum_ptrs, mask=mask, other=0.0), mask=mask)
+                tl.store(norm_out_ptr + offs, tl.load(norm_ptrs, mask=mask, other=0.0), mask=mask)
             tl.store(rstd_out_ptr + row, tl.load(peer_rstd + row))
 
     # 5. no peer reads this rank's input or staging any more
-    _blockwise_barrier(signal_pad_ptrs, pid, rank, WORLD_SIZE)
+    _blockwise_barrier(signal_pad_ptrs, pid, rank, WORLD_SIZE, PEERS)

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import torch
 
-from ..ops import residual_rms_norm_reference
 from ._one_shot_all_reduce_rms_norm_kernel import _one_shot_all_reduce_residual_rms_norm_kernel
 from .peer_buffers import PeerBuffers
+from .reference import residual_rms_norm_reference
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -79,6 +79,39 @@ def check_arguments(
     )
 
 
+MAX_BLOCK_N = 4096
+"""Longest row chunk a program keeps in registers: 8 fp32 values per thread per tensor at 16 warps."""
+
+
+def launch_config(
+    peers: PeerBuffers, input: torch.Tensor, out_dtype: torch.dtype, *, max_block_n: int = MAX_BLOCK_N
+) -> dict[str, int]:
+    """Constexprs and warps for a launch over ``input`` ``[..., n_cols]``: ``PEERS``, ``BLOCK_N``, ``N_CHUNKS``,
+    ``VEC``, ``num_warps``.
+
+    Rows longer than ``max_block_n`` (a power of two) are walked in chunks (two passes,
+    see ``_fused_row``).  ``VEC`` is the elements of one 16-byte read when every buffer is
+    16-byte aligned and rows and the input's offset are multiples of it (then
+    ``tl.multiple_of`` lets peer reads vectorize), else 1; counted in the narrower of
+    the input and output dtypes, so rows of either start 16-byte aligned (the two-shot
+    kernel reads peers' staged outputs too).
+    """
+    import triton
+
+    n_cols = input.shape[-1]
+    block_n = min(triton.next_power_of_2(n_cols), max_block_n)
+    vec = 16 // min(input.element_size(), out_dtype.itemsize)
+    if not (peers.aligned and n_cols % vec == 0 and peers.element_offset(input) % vec == 0):
+        vec = 1
+    return {
+        "PEERS": triton.next_power_of_2(peers.world_size),
+        "BLOCK_N": block_n,
+        "N_CHUNKS": -(-n_cols // block_n),
+        "VEC": vec,
+        "num_warps": max(1, min(16, block_n // 256)),
+    }
+
+
 def one_shot_all_reduce_residual_rms_norm(
     peers: PeerBuffers,
     input: torch.Tensor,
@@ -90,11 +123,15 @@ def one_shot_all_reduce_residual_rms_norm(
     mid_dtype: torch.dtype | None = None,
     out_dtype: torch.dtype | None = None,
     max_blocks: int | None = None,
+    max_block_n: int = MAX_BLOCK_N,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(input summed over ranks + residual, its RMSNorm [* weight], rstd)``.
 
     ``input`` must live in ``peers``' local buffer at the same offset on every rank;
-    every rank of ``peers`` must call this with the same shapes (it is a collective).
+    every rank of ``peers`` must call this with the same shapes and ``max_blocks`` /
+    ``max_block_n`` (it is a collective: the grid, ``min(rows, peers.max_blocks,
+    max_blocks)``, must be the same everywhere).  Raises TypeError / ValueError for
+    layouts the kernel does not take (:func:`check_arguments`).
     """
     mid, product, final = check_arguments(
         input, residual, weight, upcast=upcast, mid_dtype=mid_dtype, out_dtype=out_dtype
@@ -106,9 +143,7 @@ def one_shot_all_reduce_residual_rms_norm(
     rstd = torch.empty((*input.shape[:-1], 1), dtype=torch.float32, device=input.device)
     if n_rows == 0 or n_cols == 0:
         return summed, normed, rstd
-    import triton
-
-    block_n = triton.next_power_of_2(n_cols)
+    config = launch_config(peers, input, final, max_block_n=max_block_n)
     grid = (max(1, min(n_rows, peers.max_blocks, max_blocks or peers.max_blocks)),)
     _one_shot_all_reduce_residual_rms_norm_kernel[grid](
         peers.buffer_ptrs,
@@ -124,11 +159,10 @@ def one_shot_all_reduce_residual_rms_norm(
         float(eps),
         peers.rank,
         WORLD_SIZE=peers.world_size,
-        BLOCK_N=block_n,
         HAS_WEIGHT=weight is not None,
         MID_DTYPE=_tl_dtype(mid),
         PRODUCT_DTYPE=_tl_dtype(product),
-        num_warps=max(1, min(16, block_n // 256)),
+        **config,
     )
     return summed, normed, rstd
 

@@ -23,6 +23,14 @@ import torch
 from .. import _compat
 
 SIGNAL_SLOT_BYTES = 4  # one int32 per (program, peer)
+MAX_PROGRAMS = 32
+"""Most programs a fused kernel launches per rank, whatever the device.
+
+Agreed, not local: the grid must be identical on every rank (program ``b`` meets
+program ``b`` of each peer), so it never comes from the local SM count (ranks on
+different GPU models or MIG slices would disagree and hang).  Bounded: these programs
+spin in barriers, and a side-stream NCCL kernel must still find free SMs (32 of 108 on
+an A100, of 132 on an H100)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,8 +46,11 @@ class PeerBuffers:
     local_buffer: int
     buffer_nbytes: int
     max_blocks: int
-    """Programs the signal pads have slots for (``signal_pad_bytes / 4 / world_size``)."""
+    """Programs a launch may use: the signal pads' slots (``signal_pad_bytes / 4 / world_size``, the same
+    size on every rank), at most :data:`MAX_PROGRAMS`."""
     keepalive: tuple[Any, ...] = ()
+    aligned: bool = False
+    """Every rank's buffer starts on a 16-byte boundary (the kernels then vectorize peer reads)."""
 
     def element_offset(self, tensor: torch.Tensor) -> int:
         """``tensor``'s offset in elements inside this rank's buffer (the same on every rank)."""
@@ -83,7 +94,6 @@ class PeerBuffers:
     @classmethod
     def _from_handle(cls, symm: Any, device: torch.device) -> PeerBuffers:
         slots = int(symm.signal_pad_size) // SIGNAL_SLOT_BYTES // symm.world_size
-        sms = torch.cuda.get_device_properties(device).multi_processor_count
         return cls(
             rank=symm.rank,
             world_size=symm.world_size,
@@ -91,8 +101,9 @@ class PeerBuffers:
             signal_pad_ptrs=symm.signal_pad_ptrs_dev,
             local_buffer=symm.buffer_ptrs[symm.rank],
             buffer_nbytes=symm.buffer_size,
-            max_blocks=max(1, min(slots, sms)),
+            max_blocks=max(1, min(slots, MAX_PROGRAMS)),
             keepalive=(symm,),
+            aligned=all(int(p) % 16 == 0 for p in symm.buffer_ptrs),
         )
 
     @classmethod
@@ -109,8 +120,33 @@ class PeerBuffers:
             signal_pad_ptrs=pad_table.data_ptr(),
             local_buffer=buffers[rank].data_ptr(),
             buffer_nbytes=buffers[rank].numel(),
-            max_blocks=max(1, pads[rank].numel() // SIGNAL_SLOT_BYTES // world_size),
+            max_blocks=max(1, min(MAX_PROGRAMS, pads[rank].numel() // SIGNAL_SLOT_BYTES // world_size)),
             keepalive=(buffers, pads, buffer_table, pad_table),
+            aligned=all(b.data_ptr() % 16 == 0 for b in buffers),
+        )
+
+    @classmethod
+    def in_process(cls, buffers: list[torch.Tensor], pads: list[torch.Tensor], *, rank: int) -> PeerBuffers:
+        """Rank ``rank`` of ranks that live in this process (one device): ``buffers[r]`` / ``pads[r]`` are rank
+        ``r``'s buffer (uint8) and zeroed signal pad (int32, ``max_blocks * world_size`` slots).
+
+        What the multi-rank harness uses: W ranks as W streams (CUDA) sharing one address
+        space, so a peer's memory is addressed directly, as over NVLink with symmetric memory.
+        """
+        world_size = len(buffers)
+        device = buffers[rank].device
+        buffer_table = torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64, device=device)
+        pad_table = torch.tensor([p.data_ptr() for p in pads], dtype=torch.int64, device=device)
+        return cls(
+            rank=rank,
+            world_size=world_size,
+            buffer_ptrs=buffer_table.data_ptr(),
+            signal_pad_ptrs=pad_table.data_ptr(),
+            local_buffer=buffers[rank].data_ptr(),
+            buffer_nbytes=buffers[rank].numel() * buffers[rank].element_size(),
+            max_blocks=max(1, min(MAX_PROGRAMS, pads[rank].numel() // world_size)),
+            keepalive=([*buffers], [*pads], buffer_table, pad_table),
+            aligned=all(b.data_ptr() % 16 == 0 for b in buffers),
         )
 
 

@@ -13,7 +13,14 @@ from __future__ import annotations
 import torch
 
 from ._two_shot_all_reduce_rms_norm_kernel import _two_shot_all_reduce_residual_rms_norm_kernel
-from .one_shot_all_reduce_rms_norm import _tl_dtype, check_arguments, reference, reference_float64
+from .one_shot_all_reduce_rms_norm import (
+    MAX_BLOCK_N,
+    _tl_dtype,
+    check_arguments,
+    launch_config,
+    reference,
+    reference_float64,
+)
 from .peer_buffers import PeerBuffers
 
 __all__ = ["reference", "reference_float64", "staging_nbytes", "two_shot_all_reduce_residual_rms_norm"]
@@ -57,6 +64,7 @@ def two_shot_all_reduce_residual_rms_norm(
     max_blocks: int | None = None,
     staging: PeerBuffers | None = None,
     staging_offset: int | None = None,
+    max_block_n: int = MAX_BLOCK_N,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(input summed over ranks + residual, its RMSNorm [* weight], rstd)``, as the one-shot launcher.
 
@@ -94,9 +102,9 @@ def two_shot_all_reduce_residual_rms_norm(
             f"staging [{sum_at}, {end}) must fit rank {stage.rank}'s buffer of {stage.buffer_nbytes} bytes "
             f"clear of the input [{input_start}, {input_end}); allocate staging_nbytes() more"
         )
-    import triton
-
-    block_n = triton.next_power_of_2(n_cols)
+    config = launch_config(peers, input, final, max_block_n=max_block_n)
+    if not stage.aligned:
+        config["VEC"] = 1
     rows_per_rank = -(-n_rows // peers.world_size)
     grid = (max(1, min(rows_per_rank, peers.max_blocks, max_blocks or peers.max_blocks)),)
     _two_shot_all_reduce_residual_rms_norm_kernel[grid](
@@ -117,10 +125,9 @@ def two_shot_all_reduce_residual_rms_norm(
         float(eps),
         peers.rank,
         WORLD_SIZE=peers.world_size,
-        BLOCK_N=block_n,
         HAS_WEIGHT=weight is not None,
         MID_DTYPE=_tl_dtype(mid),
         PRODUCT_DTYPE=_tl_dtype(product),
-        num_warps=max(1, min(16, block_n // 256)),
+        **config,
     )
     return summed, normed, rstd

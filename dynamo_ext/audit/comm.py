@@ -1,0 +1,496 @@
+"""The communication report, rank side: every collective of every compiled graph, with what it moves and why.
+
+NOTE [communication report]
+The collector (:mod:`.collector`) hands this module the FX graphs Dynamo and
+AOTAutograd log on the structured trace (``dynamo_output_graph``,
+``aot_forward_graph``, ``aot_backward_graph``, ``aot_inference_graph``), as
+``GraphModule`` objects with their node meta (``_compat.graph_module_being_logged``;
+nothing is recompiled and no backend is wrapped).  For each AOT graph, the graph
+that runs, every functional collective (``_c10d_functional.*``) becomes one
+record:
+
+- op, process group (name, size, ranks) and the mesh axis name of that group,
+  read from the ``DeviceMesh`` of any DTensor the rank's Dynamo graphs hold;
+- bytes in and out (``meta["val"]``), and bytes each rank sends and receives
+  under the ring algorithm (all-gather: ``(n-1)*in``; reduce-scatter and
+  all-to-all: ``(n-1)/n*in``; all-reduce: ``2(n-1)/n*in``; broadcast: ``in``;
+  point-to-point: the tensors sent and received);
+- the time ``torch._inductor.comm_analysis`` estimates for it on NCCL (its
+  analytical model; bandwidths from ``DYNAMO_EXT_AUDIT_INTRA_NODE_BW`` /
+  ``DYNAMO_EXT_AUDIT_INTER_NODE_BW`` in GB/s, else its defaults; ``None`` for
+  what it does not model, such as broadcast);
+- ``overlap_ops``: compute ops between the collective and its ``wait_tensor``
+  in graph order (0: nothing can overlap it);
+- the user line (the deepest frame of ``meta["stack_trace"]`` outside torch and
+  dynamo-ext), the module path (``nn_module_stack``; for backward nodes
+  AOTAutograd's ``fwd_nn_module_stack``, else the forward node with the same
+  stack) and who issued it: ``fsdp`` (FSDP2's all-gather / reduce-scatter),
+  ``dtensor`` (DTensor inserted it: sharding propagation, ``redistribute``,
+  ``from_local``'s backward), ``explicit`` (a collective the user called);
+- for ``dtensor`` collectives, the placements before and after (from the
+  Dynamo graph's ``redistribute`` node with the same stack when there is one,
+  else implied by the collective on that mesh axis) and an alternative
+  placement that avoids or shrinks it; the alternative is a heuristic
+  (``alternative_basis``), never checked by re-running sharding propagation.
+
+Compiled autograd's graph is traced again by Dynamo and AOTAutograd (compile
+ids ``!N/...``); its AOT graph carries no stack traces, so its collectives take
+their attribution from its Dynamo graph's collectives, zipped in order when the
+two sequences agree.  When compiled autograd inlines an AOT backward
+(``aotN_`` node names), that AOT backward graph never runs by itself:
+``inlined_aot_ids`` lets the merge leave it out of the totals.
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+import os
+import re
+from typing import Any
+
+import torch
+
+from .. import _compat
+from .identity import is_torch_file, normalize_path
+
+log = logging.getLogger(__name__)
+
+_PKG_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+_FRAME = re.compile(r'^\s*File "([^"]+)", line (\d+), in (\S+)\n(.*)$', re.M)
+_INLINED = re.compile(r"^aot(\d+)_")
+_TEXT_COLLECTIVE = re.compile(r"_c10d_functional\.(?!wait_tensor)\w+")
+_ROOT_KEY = re.compile(r"^L\['[^']*'\]\.?")
+
+# Functional collective (op name without overload) -> traffic kind.
+TRAFFIC = {
+    "all_gather_into_tensor": "all_gather",
+    "all_gather_into_tensor_out": "all_gather",
+    "all_gather_into_tensor_coalesced": "all_gather",
+    "reduce_scatter_tensor": "reduce_scatter",
+    "reduce_scatter_tensor_out": "reduce_scatter",
+    "reduce_scatter_tensor_coalesced": "reduce_scatter",
+    "all_reduce": "all_reduce",
+    "all_reduce_coalesced": "all_reduce",
+    "all_to_all_single": "all_to_all",
+    "broadcast": "broadcast",
+    "isend": "p2p",
+    "irecv": "p2p",
+    "batch_p2p_ops": "p2p",
+}
+INTRA_BW_ENV = "DYNAMO_EXT_AUDIT_INTRA_NODE_BW"
+INTER_BW_ENV = "DYNAMO_EXT_AUDIT_INTER_NODE_BW"
+
+
+def collective_name(node: torch.fx.Node) -> str | None:
+    """The functional collective ``node`` calls (``"all_reduce"``), or ``None`` for anything else (waits too)."""
+    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+        return None
+    if node.target.namespace not in ("_c10d_functional", "c10d_functional", "_c10d_functional_autograd"):
+        return None
+    name = node.target._opname
+    return name if name in TRAFFIC else None
+
+
+def traffic_bytes(kind: str, bytes_in: int, group_size: int) -> tuple[int, int]:
+    """(sent, received) bytes per rank of a ring collective moving ``bytes_in`` input bytes per rank."""
+    n = max(group_size, 1)
+    if n == 1:
+        return 0, 0
+    if kind == "all_gather":
+        b = (n - 1) * bytes_in
+    elif kind in ("reduce_scatter", "all_to_all"):
+        b = (n - 1) * bytes_in // n
+    elif kind == "all_reduce":
+        b = 2 * (n - 1) * bytes_in // n
+    else:  # broadcast: each rank receives (and but one forward) the whole buffer
+        b = bytes_in
+    return b, b
+
+
+def _bytes(val: Any) -> int:
+    if isinstance(val, torch.Tensor):
+        return val.numel() * val.element_size()
+    if isinstance(val, (list, tuple)):
+        return sum(_bytes(v) for v in val)
+    return 0
+
+
+def _shape(val: Any) -> list[Any]:
+    if isinstance(val, torch.Tensor):
+        return [int(s) if isinstance(s, int) else str(s) for s in val.shape]
+    if isinstance(val, (list, tuple)):
+        return [_shape(v) for v in val]
+    return []
+
+
+def _dtype(val: Any) -> str:
+    if isinstance(val, torch.Tensor):
+        return str(val.dtype).replace("torch.", "")
+    if isinstance(val, (list, tuple)) and val:
+        return _dtype(val[0])
+    return ""
+
+
+def _node_val(n: Any) -> Any:
+    if isinstance(n, torch.fx.Node):
+        return n.meta.get("val", n.meta.get("example_value"))
+    if isinstance(n, (list, tuple)):
+        return [_node_val(x) for x in n]
+    return None
+
+
+def _group_name(node: torch.fx.Node) -> str:
+    """The ``group_name`` argument (a name, or a process-group object): every functional collective takes it last."""
+    arg = node.kwargs.get("group_name", node.args[-1] if node.args else None)
+    if isinstance(arg, str):
+        return arg
+    return str(getattr(arg, "group_name", "") or "")
+
+
+def p2p_bytes(node: torch.fx.Node) -> tuple[int, int]:
+    """(sent, received) bytes of a point-to-point op: ``isend``, ``irecv``, ``batch_p2p_ops`` (by its op list)."""
+    name = collective_name(node)
+    if name == "isend":
+        return _bytes(_node_val(node.args[0])), 0
+    if name == "irecv":
+        return 0, _bytes(node.meta.get("val"))
+    ops, tensors = node.args[0], node.args[3]
+    sent = sum(_bytes(_node_val(t)) for op, t in zip(ops, tensors) if "send" in str(op))
+    return sent, sum(_bytes(_node_val(t)) for op, t in zip(ops, tensors) if "recv" in str(op))
+
+
+def _internal(path: str) -> bool:
+    """torch's or dynamo-ext's own code (the bundled examples are user code)."""
+    if is_torch_file(path) or path.startswith("<"):
+        return True
+    return path.startswith(_PKG_DIR) and not os.path.basename(path).startswith("example_")
+
+
+def user_frame(stack_trace: str | None) -> tuple[str, int, str, str] | None:
+    """(file, line, function, source) of the deepest frame of an FX ``stack_trace`` outside torch and dynamo-ext.
+
+    When every frame is internal (FSDP2's root hook): the outermost frame outside
+    torch (where the plugin's code was entered), else the deepest frame; ``None``
+    without a stack trace.
+    """
+    frames = [(f, int(n), fn, src.strip()) for f, n, fn, src in _FRAME.findall(stack_trace or "")]
+    if not frames:
+        return None
+    user = next((f for f in reversed(frames) if not _internal(f[0])), None)
+    return user or next((f for f in frames if not is_torch_file(f[0])), frames[-1])
+
+
+def origin(stack_trace: str | None) -> str:
+    """``fsdp``, ``dtensor`` or ``explicit``: who put the collective there, by the frames of its stack.
+
+    :class:`CommTracer` also calls it ``dtensor`` when its line makes a DTensor in a Dynamo graph.
+    """
+    files = [f for f, *_ in _FRAME.findall(stack_trace or "")]
+    if any(os.sep + os.path.join("distributed", "fsdp") + os.sep in f for f in files) or any(
+        f.startswith(_PKG_DIR) and f.endswith("fsdp.py") for f in files
+    ):
+        return "fsdp"
+    if any(os.sep + os.path.join("distributed", "tensor") + os.sep in f for f in files):
+        return "dtensor"
+    return "explicit"
+
+
+def module_path(node: torch.fx.Node) -> str | None:
+    """The innermost module of ``nn_module_stack`` (or AOT's ``fwd_nn_module_stack``), root-relative; ``None``."""
+    stack = node.meta.get("nn_module_stack") or node.meta.get("fwd_nn_module_stack")
+    if not stack:
+        return None
+    path = list(stack.values())[-1][0]
+    return _ROOT_KEY.sub("", str(path)) or "<root>"
+
+
+def _placements(val: Any) -> str:
+    pl = getattr(val, "placements", None)
+    return "(" + ", ".join(map(str, pl)) + ")" if pl is not None else ""
+
+
+def implied_placements(kind: str) -> tuple[str, str]:
+    """Placements on the collective's mesh axis before and after, as the collective implies them (DTensor's short forms)."""
+    return {
+        "all_gather": ("S(?)", "R"),
+        "reduce_scatter": ("P(sum)", "S(?)"),
+        "all_reduce": ("P(sum)", "R"),
+        "all_to_all": ("S(?)", "S(?)"),
+        "broadcast": ("", "R"),
+    }.get(kind, ("", ""))
+
+
+def alternative(kind: str, phase: str, stack_trace: str) -> str:
+    """A placement that avoids or shrinks a DTensor collective (a heuristic: not verified by sharding propagation)."""
+    if kind == "all_reduce" and phase == "forward":
+        if "_prepare_output_fn" in stack_trace:  # RowwiseParallel's output
+            return (
+                "RowwiseParallel(output_layouts=Shard(1)) with SequenceParallel on the next norm: a reduce_scatter "
+                "of half the bytes instead of this all_reduce (the consumer must accept Shard(1))"
+            )
+        return "keep Partial() and let the consumer reduce (or Shard(d): reduce_scatter, half the bytes)"
+    if kind == "all_reduce":
+        if "_prepare_input_fn" in stack_trace:  # ColwiseParallel's input gradient
+            return (
+                "ColwiseParallel(input_layouts=Shard(1)) after a SequenceParallel norm: the gradient is "
+                "reduce-scattered (half the bytes) instead of all-reduced"
+            )
+        return "a Shard(d) gradient (reduce_scatter, half the bytes) where the consumer accepts it"
+    if kind == "all_gather":
+        return "keep Shard(d) (use_local_output=False, or a strategy that consumes Shard(d)) to skip the gather"
+    if kind == "all_to_all":
+        return "shard the consumer on the dim the producer shards (no resharding)"
+    return ""
+
+
+class CommTracer:
+    """Per-rank state of the communication report: the mesh axis of each group, Dynamo graphs awaiting their AOT graph.
+
+    :meth:`on_graph` is called by the collector for each logged graph and returns
+    the ``comm_graph`` event of an AOT graph (``None`` for a Dynamo graph, which
+    it only remembers).  ``root`` as in :class:`.collector.Collector`.
+    """
+
+    def __init__(self, root: str | None = None) -> None:
+        self.root = root
+        self.group_axis: dict[str, str] = {}
+        self._dynamo: dict[str, torch.fx.GraphModule] = {}
+        self._module_of_stack: dict[str, str] = {}
+        self._meshes_seen: set[int] = set()
+        self._dtensor_stacks: set[str] = set()
+        self._aot_backward: dict[int, dict[str, torch.fx.Node]] = {}
+
+    def on_graph(
+        self, trace_name: str, compile_key: str, gm: Any, aot_id: int | None, text: str = ""
+    ) -> dict[str, Any] | None:
+        """Remember a Dynamo graph, or analyse an AOT graph into a ``comm_graph`` event.
+
+        An AOT graph logged without its ``GraphModule`` (a cache hit logs only
+        text) whose text ``text`` names collectives gives an event with
+        ``missing`` set: the report says it is incomplete.
+        """
+        if not isinstance(gm, torch.fx.GraphModule):
+            if trace_name != "dynamo_output_graph" and _TEXT_COLLECTIVE.search(text):
+                return {
+                    "ev": "comm_graph",
+                    "compile_id": compile_key,
+                    "graph": _graph_kind(trace_name, compile_key),
+                    "aot_id": aot_id,
+                    "inlined_aot_ids": [],
+                    "collectives": [],
+                    "missing": f"{trace_name} logged without its graph (a cache hit?): its collectives are not analysed",
+                }
+            return None
+        if trace_name == "dynamo_output_graph":
+            self._learn(gm)
+            # Compiles are sequential: a frame's AOT graphs follow its Dynamo graph; keep only the latest.
+            self._dynamo = {compile_key: gm}
+            return None
+        if trace_name == "aot_backward_graph" and aot_id is not None:
+            self._aot_backward[aot_id] = {n.name: n for n in gm.graph.nodes}
+        ca = compile_key.startswith("!")
+        graph = _graph_kind(trace_name, compile_key)
+        dynamo_gm = self._dynamo.get(compile_key)
+        colls = self.analyse(gm, phase="backward" if graph != "forward" else "forward", dynamo_gm=dynamo_gm)
+        inlined = sorted(
+            {
+                int(m.group(1))
+                for n in (dynamo_gm.graph.nodes if ca and dynamo_gm is not None else ())
+                if (m := _INLINED.match(n.name))
+            }
+        )
+        return {
+            "ev": "comm_graph",
+            "compile_id": compile_key,
+            "graph": graph,
+            "aot_id": aot_id,
+            "inlined_aot_ids": inlined,
+            "collectives": colls,
+        }
+
+    def _learn(self, gm: torch.fx.GraphModule) -> None:
+        """Mesh axis names of the groups of every DTensor in ``gm``; module paths of its stack traces."""
+        for n in gm.graph.nodes:
+            val = n.meta.get("example_value")
+            mesh = getattr(val, "device_mesh", None)
+            if mesh is not None and id(mesh) not in self._meshes_seen:
+                self._meshes_seen.add(id(mesh))
+                self._learn_mesh(mesh)
+            st, mod = n.meta.get("stack_trace"), module_path(n)
+            if st and mesh is not None:
+                self._dtensor_stacks.add(st)
+            if st and mod:
+                # One stack, several modules (a loop over blocks): the common path, "*" where they differ.
+                self._module_of_stack[st] = _common_path(self._module_of_stack.get(st, mod), mod)
+
+    def _learn_mesh(self, mesh: Any) -> None:
+        for m in (mesh, _compat.root_mesh(mesh)):
+            names = getattr(m, "mesh_dim_names", None) or ()
+            for i, name in enumerate(names):
+                try:
+                    self.group_axis.setdefault(m.get_group(i).group_name, name)
+                except Exception:  # a mesh without that group here: nothing to learn
+                    log.debug("no group for mesh axis %s of %s", name, m)
+
+    def _backward_source(self, node: torch.fx.Node) -> torch.fx.Node:
+        """The AOT backward graph's node that compiled autograd copied as ``aot<N>_<name>`` (it has the meta), else ``node``."""
+        m = _INLINED.match(node.name)
+        found = self._aot_backward.get(int(m.group(1)), {}).get(node.name[m.end() :]) if m else None
+        return found if found is not None and found.meta.get("stack_trace") else node
+
+    def analyse(self, gm: torch.fx.GraphModule, *, phase: str, dynamo_gm: torch.fx.GraphModule | None = None) -> list:
+        """One record per collective of ``gm`` in graph order (see NOTE [communication report])."""
+        nodes = list(gm.graph.nodes)
+        position = {n: i for i, n in enumerate(nodes)}
+        donors = _attribution_donors(gm, dynamo_gm)
+        redistributes = _redistributes(dynamo_gm)
+        out = []
+        for n in nodes:
+            op = collective_name(n)
+            if op is None:
+                continue
+            kind = TRAFFIC[op]
+            meta_node = self._backward_source(donors.get(n, n))
+            group = _group_name(n)
+            size, ranks = _compat.process_group_info(group)
+            val_in = _node_val(n.args[0]) if n.args else None
+            bytes_in, bytes_out = _bytes(val_in), _bytes(n.meta.get("val"))
+            sent, received = p2p_bytes(n) if kind == "p2p" else traffic_bytes(kind, bytes_in, size)
+            est = _compat.estimate_collective_ms(
+                n, intra_bw=_env_float(INTRA_BW_ENV), inter_bw=_env_float(INTER_BW_ENV)
+            )
+            if est == 0 and size > 1 and bytes_in + bytes_out > 0:
+                est = None  # comm_analysis does not model this kind (it returns 0)
+            st = meta_node.meta.get("stack_trace") or ""
+            frame = user_frame(st)
+            who = origin(st) if st else "unknown"
+            if who == "explicit" and st in self._dtensor_stacks:
+                who = "dtensor"  # a DTensor op or redistribute on that line (Dynamo traced DTensor's own code)
+            before, after, basis = "", "", ""
+            if who == "dtensor":
+                if st in redistributes:
+                    before, after = redistributes[st]
+                    basis = "graph"
+                else:
+                    before, after = implied_placements(kind)
+                    basis = "implied by the collective"
+            mod = module_path(meta_node) or self._module_of_stack.get(st) or ""
+            out.append(
+                {
+                    "index": len(out),
+                    "node": n.name,
+                    "op": op,
+                    "kind": kind,
+                    "group": group,
+                    "group_size": size,
+                    "group_ranks": ranks,
+                    "mesh_axis": self.group_axis.get(group, ""),
+                    "dtype": _dtype(n.meta.get("val")),
+                    "shape_in": _shape(val_in),
+                    "shape_out": _shape(n.meta.get("val")),
+                    "bytes_in": bytes_in,
+                    "bytes_out": bytes_out,
+                    "sent": sent,
+                    "received": received,
+                    "est_ms": est,
+                    "overlap_ops": _overlap_ops(n, nodes, position),
+                    "file": normalize_path(frame[0], root=self.root) if frame else "",
+                    "line": frame[1] if frame else 0,
+                    "function": frame[2] if frame else "",
+                    "source": frame[3] if frame else "",
+                    "module": mod,
+                    "origin": who,
+                    "placements_before": before,
+                    "placements_after": after,
+                    "placements_basis": basis,
+                    "alternative": alternative(kind, phase, st) if who == "dtensor" else "",
+                    "alternative_basis": "heuristic" if who == "dtensor" else "",
+                }
+            )
+        return out
+
+
+def _graph_kind(trace_name: str, compile_key: str) -> str:
+    if compile_key.startswith("!"):
+        return "compiled_autograd"
+    return "backward" if trace_name == "aot_backward_graph" else "forward"
+
+
+def _common_path(a: str, b: str) -> str:
+    """``layers.0.wq`` and ``layers.1.wq`` -> ``layers.*.wq``; different depths -> their common prefix."""
+    if a == b:
+        return a
+    pa, pb = a.split("."), b.split(".")
+    if len(pa) != len(pb):
+        common = []
+        for x, y in zip(pa, pb):
+            if x != y:
+                break
+            common.append(x)
+        return ".".join(common) + ".*" if common else "*"
+    return ".".join(x if x == y else "*" for x, y in zip(pa, pb))
+
+
+def _env_float(name: str) -> float | None:
+    v = os.environ.get(name)
+    try:
+        return float(v) if v else None
+    except ValueError:
+        log.warning("%s=%r is not a number (GB/s); using comm_analysis's default", name, v)
+        return None
+
+
+def _overlap_ops(n: torch.fx.Node, nodes: list, position: dict) -> int | None:
+    """Compute ops between ``n`` and the first ``wait_tensor`` of its result, in graph order; ``None``: no wait."""
+    waits = [u for u in _uses(n) if u.op == "call_function" and "wait_tensor" in str(u.target)]
+    if not waits:
+        return None
+    end = min(position[w] for w in waits)
+    return sum(
+        1
+        for m in nodes[position[n] + 1 : end]
+        if m.op == "call_function"
+        and collective_name(m) is None
+        and "wait_tensor" not in str(m.target)
+        and m.target is not operator.getitem
+    )
+
+
+def _uses(n: torch.fx.Node) -> list:
+    """Users of ``n``, through ``getitem`` for coalesced collectives."""
+    out = []
+    for u in n.users:
+        out += list(u.users) if u.target is operator.getitem else [u]
+    return out
+
+
+def _attribution_donors(gm: torch.fx.GraphModule, dynamo_gm: torch.fx.GraphModule | None) -> dict:
+    """Collectives of ``gm`` without a stack trace -> the Dynamo graph's collective in the same place.
+
+    Only when both graphs issue the same ops on the same groups in the same
+    order (compiled autograd's AOT graph retraces its Dynamo graph); else nothing.
+    """
+    if dynamo_gm is None:
+        return {}
+    mine = [n for n in gm.graph.nodes if collective_name(n)]
+    if all(n.meta.get("stack_trace") for n in mine):
+        return {}
+    theirs = [n for n in dynamo_gm.graph.nodes if collective_name(n)]
+    sig = [(collective_name(n), _group_name(n)) for n in mine]
+    if sig != [(collective_name(n), _group_name(n)) for n in theirs]:
+        log.debug("AOT and Dynamo collectives differ; no attribution for this graph")
+        return {}
+    return dict(zip(mine, theirs))
+
+
+def _redistributes(dynamo_gm: torch.fx.GraphModule | None) -> dict[str, tuple[str, str]]:
+    """Stack trace -> (placements before, after) of each ``redistribute`` call in a Dynamo graph."""
+    out: dict[str, tuple[str, str]] = {}
+    for n in dynamo_gm.graph.nodes if dynamo_gm is not None else ():
+        if n.op == "call_method" and n.target == "redistribute" and n.args:
+            src = n.args[0].meta.get("example_value") if isinstance(n.args[0], torch.fx.Node) else None
+            st = n.meta.get("stack_trace")
+            if st:
+                out.setdefault(st, (_placements(src), _placements(n.meta.get("example_value"))))
+    return out

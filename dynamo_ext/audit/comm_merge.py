@@ -1,0 +1,216 @@
+"""The communication report, merged: rank events -> :class:`.records.Comm`; and the eager count it is checked against.
+
+NOTE [like-with-like collective counts]
+``CommDebugMode`` counts what the eager step dispatches: DTensor's functional
+collectives under their legacy names (``c10d_functional.all_reduce``) and
+FSDP2's c10d ops (``c10d._allgather_base_``, ``c10d._reduce_scatter_base_``).
+Both map to a traffic kind here (:data:`EAGER_KINDS`, :data:`.comm.TRAFFIC`).
+Eager FSDP2 issues one all-gather (and one reduce-scatter) of a flat buffer per
+FSDP group; the plugin's traced FSDP2 issues one per parameter, so compiled
+FSDP collectives are counted once per (graph, module, kind) - one FSDP group,
+the module that ``fully_shard`` wrapped - and every other collective once.
+Inlined AOT backward graphs (compiled autograd runs their copy) are not counted.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import defaultdict
+from collections.abc import Iterator
+from typing import Any
+
+from .comm import TRAFFIC
+from .records import Collective, Comm, ModuleComm
+
+# CommDebugMode's c10d op names -> traffic kind.
+EAGER_KINDS = {
+    "_allgather_base_": "all_gather",
+    "allgather_": "all_gather",
+    "allgather_coalesced_": "all_gather",
+    "allgather_into_tensor_coalesced_": "all_gather",
+    "_reduce_scatter_base_": "reduce_scatter",
+    "reduce_scatter_": "reduce_scatter",
+    "reduce_scatter_tensor_coalesced_": "reduce_scatter",
+    "allreduce_": "all_reduce",
+    "allreduce_coalesced_": "all_reduce",
+    "alltoall_": "all_to_all",
+    "alltoall_base_": "all_to_all",
+    "broadcast_": "broadcast",
+    **TRAFFIC,
+}
+
+
+def eager_kind(op_name: str) -> str:
+    """Traffic kind of a ``CommDebugMode`` key (``"c10d._allgather_base_"`` -> ``"all_gather"``); else the name."""
+    short = op_name.rsplit(".", 1)[-1]
+    return EAGER_KINDS.get(short, short)
+
+
+@contextlib.contextmanager
+def count_eager(into: dict[str, dict[str, int]]) -> Iterator[None]:
+    """Count the collectives run inside, per phase and kind, with ``CommDebugMode``; fills ``into`` on exit.
+
+    ``into`` becomes ``{"forward": {kind: n}, "backward": {kind: n}}`` (phases
+    as ``CommDebugMode``'s module tracker sees them).
+    """
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    mode = CommDebugMode()
+    with mode:
+        yield
+    glob = mode.comm_module_counts.get("Global", {})
+    for phase in ("forward", "backward"):
+        per: dict[str, int] = defaultdict(int)
+        for op, n in glob.get(phase, {}).items():
+            per[eager_kind(str(op))] += int(n)
+        into[phase] = dict(per)
+
+
+def eager_counted_step(spec: Any) -> tuple[Any, dict[str, dict[str, int]]]:
+    """``spec`` (a :class:`.numerics.Step`) whose eager ``step(False)`` is counted by :func:`count_eager`."""
+    import dataclasses
+
+    counts: dict[str, dict[str, int]] = {}
+    inner = spec.step
+
+    def step(compiled: bool) -> Any:
+        if compiled:
+            return inner(True)
+        with count_eager(counts):
+            return inner(False)
+
+    return dataclasses.replace(spec, step=step), counts
+
+
+def _like_counts(colls: list[Collective]) -> dict[tuple[str, str], int]:
+    counts: dict[tuple[str, str], int] = defaultdict(int)
+    fsdp_seen: set[tuple[str, str, str, str]] = set()
+    for c in colls:
+        if c.inlined:
+            continue
+        if c.origin == "fsdp":
+            key = (c.graph, c.graph_kind, c.module, c.kind)
+            if key in fsdp_seen:
+                continue
+            fsdp_seen.add(key)
+        counts[(c.phase, c.kind)] += 1
+    return counts
+
+
+def merge_comm(events_by_rank: dict[int, list[dict[str, Any]]], ref: set[int], graph_id_of: Any) -> Comm | None:
+    """One :class:`Comm` from every rank's ``comm_graph`` events; ``None`` when no rank sent one.
+
+    ``graph_id_of(compile_event)`` names a graph (:func:`.merge.graph_id`);
+    ``ref``: the ranks whose records are shown (the finished ones).
+    """
+    if not any(e["ev"] == "comm_graph" for evs in events_by_rank.values() for e in evs):
+        return None
+    missing = tuple(
+        f"rank {r}: {e['missing']}"
+        for r, evs in sorted(events_by_rank.items())
+        for e in evs
+        if e["ev"] == "comm_graph" and e.get("missing")
+    )
+    unknown: list[str] = []
+    rows: dict[tuple[str, str, int], dict[str, Any]] = {}
+    order: list[tuple[str, str, int]] = []
+    per_rank_sent: dict[int, int] = defaultdict(int)
+    for rank, evs in sorted(events_by_rank.items()):
+        ids = {e["compile_id"]: graph_id_of(e) for e in evs if e["ev"] == "compile"}
+        graphs = [e for e in evs if e["ev"] == "comm_graph"]
+        inlined_ids = {i for g in graphs for i in g.get("inlined_aot_ids", ())}
+        seen: dict[tuple[str, str], int] = defaultdict(int)
+        for g in graphs:
+            gid = ids.get(g["compile_id"], g["compile_id"])
+            inlined = g["graph"] == "backward" and g.get("aot_id") in inlined_ids
+            if g["graph"] == "backward" and g.get("aot_id") is None and inlined_ids and g["collectives"]:
+                unknown.append(f"rank {rank}: {gid}: AOT backward graph without an aot_id: inlined or not is unknown")
+            base = seen[(gid, g["graph"])]  # a graph compiled twice with one identity: rows follow on
+            seen[(gid, g["graph"])] += len(g["collectives"])
+            for c in g["collectives"]:
+                key = (gid, g["graph"], base + int(c["index"]))
+                if not inlined:
+                    per_rank_sent[rank] += int(c["sent"])
+                row = rows.get(key)
+                if row is None:
+                    row = rows[key] = {"c": c, "g": g, "inlined": inlined, "ranks": [], "sent": {}}
+                    order.append(key)
+                elif rank in ref and row["ranks"] and row["ranks"][0] not in ref:
+                    row["c"] = c
+                row["ranks"].append(rank)
+                row["sent"][rank] = int(c["sent"])
+    colls = []
+    for key in order:
+        row = rows[key]
+        c, g = row["c"], row["g"]
+        colls.append(
+            Collective(
+                graph=key[0],
+                graph_kind=g["graph"],
+                phase="forward" if g["graph"] == "forward" else "backward",
+                index=key[2],
+                op=c["op"],
+                kind=c["kind"],
+                group=c["group"],
+                group_size=int(c["group_size"]),
+                group_ranks=tuple(c["group_ranks"]),
+                mesh_axis=c["mesh_axis"],
+                dtype=c["dtype"],
+                shape_in=str(c["shape_in"]),
+                shape_out=str(c["shape_out"]),
+                bytes_in=int(c["bytes_in"]),
+                bytes_out=int(c["bytes_out"]),
+                sent=max(row["sent"].values()),
+                received=int(c["received"]),
+                est_ms=c["est_ms"],
+                overlap_ops=c["overlap_ops"],
+                file=c["file"],
+                line=int(c["line"]),
+                function=c["function"],
+                source=c["source"],
+                module=c["module"],
+                origin=c["origin"],
+                placements_before=c["placements_before"],
+                placements_after=c["placements_after"],
+                placements_basis=c["placements_basis"],
+                alternative=c["alternative"],
+                alternative_basis=c["alternative_basis"],
+                ranks=tuple(sorted(row["ranks"])),
+                sent_by_rank=tuple(sorted(row["sent"].items())),
+                inlined=row["inlined"],
+            )
+        )
+    modules: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0, 0, 0.0])
+    for c in colls:
+        if not c.inlined:
+            m = modules[(c.module or "-", c.phase)]
+            m[0] += 1
+            m[1] += c.sent
+            m[2] += c.est_ms or 0.0
+    like = _like_counts(colls)
+    eager = _eager_counts(events_by_rank, ref)
+    return Comm(
+        collectives=tuple(colls),
+        modules=tuple(
+            ModuleComm(module=mod, phase=ph, count=int(v[0]), sent=int(v[1]), est_ms=round(v[2], 6))
+            for (mod, ph), v in sorted(modules.items(), key=lambda kv: (kv[0][1] != "forward", -kv[1][1], kv[0][0]))
+        ),
+        bytes_per_step=max(per_rank_sent.values(), default=0),
+        bytes_by_rank=tuple(sorted(per_rank_sent.items())),
+        est_ms_per_step=round(sum(c.est_ms or 0.0 for c in colls if not c.inlined), 6),
+        counts=tuple((ph, k, n) for (ph, k), n in sorted(like.items())),
+        eager_counts=eager,
+        missing=missing + tuple(unknown),
+    )
+
+
+def _eager_counts(events_by_rank: dict[int, list[dict[str, Any]]], ref: set[int]) -> tuple | None:
+    for rank in sorted(ref) + sorted(set(events_by_rank) - ref):
+        for e in events_by_rank.get(rank, []):
+            if e["ev"] == "numerics" and e.get("eager_comm"):
+                return tuple(
+                    (ph, k, int(n))
+                    for ph in ("backward", "forward")
+                    for k, n in sorted(e["eager_comm"].get(ph, {}).items())
+                )
+    return None
