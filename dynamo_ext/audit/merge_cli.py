@@ -39,6 +39,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-hang-risks", type=int, default=0, metavar="K", help="exit 1 past K hang risks (default 0)")
     p.add_argument("--baseline", metavar="FILE", help="exit 1 on a graph break that this earlier --json report lacks")
     p.add_argument(
+        "--comm-budget",
+        type=int,
+        default=None,
+        metavar="BYTES",
+        help="exit 1 when a rank sends more than BYTES per step in the compiled graphs' collectives",
+    )
+    p.add_argument(
         "--world-size", type=int, default=None, metavar="N", help="ranks expected (default: from the rank files)"
     )
     p.add_argument("--quiet", action="store_true", help="no terminal report (files and exit status only)")
@@ -56,6 +63,8 @@ def main(argv: list[str]) -> int:
 
     if args.world_size is not None and args.world_size < 1:
         return fail(f"--world-size must be at least 1, got {args.world_size}")
+    if args.comm_budget is not None and args.comm_budget < 0:
+        return fail(f"--comm-budget must be a number of bytes >= 0, got {args.comm_budget}")
     from .cli import _write
     from .diff import gate
     from .rank_files import incomplete_ranks, merge_dir
@@ -82,6 +91,7 @@ def main(argv: list[str]) -> int:
         max_recompiles=args.max_recompiles,
         baseline=baseline,
         max_hang_risks=args.max_hang_risks,
+        max_comm_bytes=args.comm_budget,
     )
     for p in problems:
         err.print(f"dynamo-ext audit merge: gate: {p}", markup=False, soft_wrap=True)
