@@ -128,7 +128,12 @@ class RankSummary:
     """What one rank did: its status and its own totals.
 
     ``status`` is ``"ok"``, ``"error"`` (the target raised), ``"died"`` (the
-    process ended without saying why) or ``"timeout"``.  ``dynamo_graph_breaks``
+    process ended without saying why; a rank file cut short), ``"timeout"``,
+    ``"stopped"`` (ended by the launcher after another rank failed) or
+    ``"missing"`` (no rank file: ``audit merge`` expected it from the world
+    size).  ``host``/``node_rank``/``local_rank``: where the rank ran, from its
+    rank file's header (``""``/``None`` when unknown; for a missing rank the
+    host is inferred from its node's other ranks, if any).  ``dynamo_graph_breaks``
     is ``sum(torch._dynamo.utils.counters["graph_break"].values())`` read on the
     rank at the end (``None`` when the rank never got there); ``dynamo_missed``
     the breaks of ``graph_breaks`` that counter did not count (torch 2.13 does not
@@ -148,6 +153,9 @@ class RankSummary:
     dynamo_unique_graphs: int | None
     log: str
     dynamo_missed: int = 0
+    host: str = ""
+    node_rank: int | None = None
+    local_rank: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -309,7 +317,9 @@ class AuditReport:
     ``plugin`` says whether dynamo-ext was installed on the ranks
     (``{"installed": bool, "version": str, "error": str}``).  ``stock`` is the
     run without the plugin when ``--compare-stock`` was given.  ``numerics`` is
-    the numerics check (``None`` when it did not run).
+    the numerics check (``None`` when it did not run).  ``notes``: what the
+    input could not say (a ``TORCH_TRACE`` directory has no exit statuses,
+    numerics or plugin state: :mod:`.trace_reader`).
     """
 
     target: str
@@ -325,6 +335,7 @@ class AuditReport:
     stock: AuditReport | None = None
     numerics: Numerics | None = None
     comm: Comm | None = None
+    notes: tuple[str, ...] = ()
 
     # ---- totals (what the CI gate compares) ------------------------------------
     @property
@@ -364,10 +375,9 @@ class AuditReport:
 
 def _distinct_seqs(g: Graph) -> list[tuple[str, tuple[str, ...]]]:
     """Ranks grouped by collective sequence (ranks lacking the graph show as ``[]`` when others have it)."""
-    by_seq: dict[tuple[str, ...], list[int]] = {}
-    for r, seq in g.collective_sequence_by_rank:
-        by_seq.setdefault(tuple(seq), []).append(r)
-    return [(",".join(map(str, rs)), seq) for seq, rs in by_seq.items()]
+    from .ranges import format_ranks, group_by
+
+    return [(format_ranks(rs), seq) for seq, rs in group_by(g.collective_sequence_by_rank)]
 
 
 def _to_plain(report: AuditReport) -> dict[str, Any]:
@@ -485,6 +495,7 @@ def report_from_json(data: dict[str, Any]) -> AuditReport:
         errors=tuple(data.get("errors", [])),
         stock=None if stock is None else report_from_json(stock),
         numerics=numerics,
+        notes=tuple(data.get("notes", ())),
     )
 
 
