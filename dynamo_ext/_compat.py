@@ -358,6 +358,17 @@ def fake_tensor(mode: Any, t: Any, *, dynamic_dim: int | None, name: str) -> Any
     return mode.from_tensor(t, source=_source.ConstantSource(name), symbolic_context=ctx)
 
 
+def no_duck_shapes() -> Any:
+    """Context manager: Dynamo gives every dynamic size its own symbol (``torch.fx.experimental._config``).
+
+    With duck shapes (the default) a batch size equal to a static size (3 samples, 3 channels) shares its
+    symbol, and the guard that pins the channels pins the batch too: a recompile for the next batch size.
+    """
+    from torch.fx.experimental import _config
+
+    return _config.patch(use_duck_shape=False)
+
+
 def is_fake_tensor(t: Any) -> bool:
     """``isinstance(t, torch._subclasses.FakeTensor)``."""
     from torch._subclasses.fake_tensor import FakeTensor

@@ -41,6 +41,7 @@ import torch.distributed as dist
 import torch.fx
 import torch.utils._pytree as pytree
 
+from .. import _compat
 from . import overlap
 from .batch_dim import analyze_step
 from .reductions import Reduction, insert_reductions
@@ -201,10 +202,17 @@ class DataParallelStep:
             return gm
         calls = overlap.submodule_calls(gm)
         if not calls:
-            return torch.compile(gm, backend=self.backend, dynamic=True, fullgraph=True)
-        for name, sub in calls:
-            setattr(gm, name, torch.compile(sub, backend=self.backend, dynamic=True, fullgraph=True))
-        return gm
+            compiled = torch.compile(gm, backend=self.backend, dynamic=True, fullgraph=True)
+        else:
+            for name, sub in calls:
+                setattr(gm, name, torch.compile(sub, backend=self.backend, dynamic=True, fullgraph=True))
+            compiled = gm
+
+        def run(*args: Any) -> Any:
+            with _compat.no_duck_shapes():  # a batch size equal to a static size must stay its own symbol
+                return compiled(*args)
+
+        return run
 
     @staticmethod
     def _write_back(traced: TracedStep, step: StepArgs, outs: list[Any]) -> Any:
