@@ -140,7 +140,7 @@ def insert_reductions(
     readers_of: dict[torch.fx.Node, list[torch.fx.Node]] = {}
     for name, inputs in reduce_before.items():
         for i in inputs:
-            if by_name[i] in still:
+            if by_name[i] in still and by_name[i] in by_name[name].all_input_nodes:  # not already fed an average
                 readers_of.setdefault(by_name[i], []).append(by_name[name])
     output = next(n for n in reversed(graph.nodes) if n.op == "output")
     for a in output.args[0]:
