@@ -113,7 +113,7 @@ def test_bad_calls(dp):
     with pytest.raises(ValueError, match=r"already has a .grad when the data-parallel step starts.*zero_grad"):
         step(model, opt, x, y)
     opt.zero_grad()
-    item = data_parallel(_mlp_step_with(lambda out: out * float(out.sum())), dp, backend=None)
+    item = data_parallel(_mlp_step_with(lambda out: out * float(out.detach().sum())), dp, backend=None)
     with pytest.raises(ValueError, match=r"could not trace the step into one graph .*\.item\(\)"):
         item(model, opt, x, y)
     other = torch.optim.SGD(build("mlp")[0].parameters(), lr=0.1)

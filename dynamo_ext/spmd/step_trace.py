@@ -169,7 +169,9 @@ class TracedStep:
     """``(optimizer index, parameter index, key)`` of state tensors output after the gradients."""
     state_constants: list[tuple[int, int, str, Any]]
     """Non-tensor optimizer state the step set: ``(optimizer, parameter index, key, value)``."""
-    gradients: dict[int, torch.fx.Node]
+    checked: dict[tuple[int | None, ...], bool] = dataclasses.field(default_factory=dict)
+    """Batch sizes already checked against :attr:`guards`, and the answer."""
+    gradients: dict[int, torch.fx.Node] = dataclasses.field(default_factory=dict)
     """Parameter index to the node of its gradient as autograd accumulated it (``post_accumulate_grad`` hooks),
     in the order the backward produced them."""
 
@@ -177,11 +179,11 @@ class TracedStep:
         """Whether the graph is valid for these batch tensors: every recorded guard holds for their batch sizes."""
         import sympy
 
-        values = {}
-        for sym, t, dim in zip(self.batch_symbols, batch, batch_dims):
-            if sym is not None:
-                values[sym] = sympy.Integer(t.shape[dim % t.ndim])
-        return all(bool(g.xreplace(values)) for g in self.guards)
+        sizes = tuple(None if d is None else t.shape[d % t.ndim] for t, d in zip(batch, batch_dims))
+        if sizes not in self.checked:
+            values = {sym: sympy.Integer(n) for sym, n in zip(self.batch_symbols, sizes) if sym is not None}
+            self.checked[sizes] = all(bool(g.xreplace(values)) for g in self.guards)
+        return self.checked[sizes]
 
 
 @contextlib.contextmanager
