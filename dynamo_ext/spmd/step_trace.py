@@ -177,12 +177,10 @@ class TracedStep:
 
     def holds_for(self, batch: Sequence[torch.Tensor], batch_dims: Sequence[int | None]) -> bool:
         """Whether the graph is valid for these batch tensors: every recorded guard holds for their batch sizes."""
-        import sympy
-
         sizes = tuple(None if d is None else t.shape[d % t.ndim] for t, d in zip(batch, batch_dims))
         if sizes not in self.checked:
-            values = {sym: sympy.Integer(n) for sym, n in zip(self.batch_symbols, sizes) if sym is not None}
-            self.checked[sizes] = all(bool(g.xreplace(values)) for g in self.guards)
+            values = {sym: n for sym, n in zip(self.batch_symbols, sizes) if sym is not None}
+            self.checked[sizes] = all(bool(g.subs(values)) for g in self.guards)
         return self.checked[sizes]
 
 
