@@ -98,12 +98,17 @@ def local_part(t: torch.Tensor, rank: int, world: int) -> torch.Tensor:
     return t[rank * n : (rank + 1) * n]
 
 
-def make_step(kind: str) -> Any:
-    """The single-device training step ``data_parallel`` compiles: forward, mean loss, backward, SGD step."""
+def make_step(kind: str, clip: float | None = None) -> Any:
+    """The single-device training step ``data_parallel`` compiles: forward, mean loss, backward, SGD step.
+
+    With ``clip``, gradients are clipped to that total norm before the step (in place, as eager does).
+    """
 
     def step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         loss = loss_fn(kind, model(x), y)
         loss.backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step()
         return loss.detach()
 

@@ -2,7 +2,9 @@
 
 One launch runs the three models (MLP, small transformer, conv net).  Each
 rank gets its own part of one global batch; DDP gets the same parts, the same
-initial weights and the same optimizer (SGD, momentum, weight decay).  Steps 2
+initial weights and the same optimizer (SGD, momentum, weight decay; the
+transformer's step also clips the gradients' norm in place, which must read the
+averaged gradients, as after DDP's all-reduce).  Steps 2
 and 3 use another batch size than step 1 and each other: with the momentum
 buffers created by step 1 (a new argument structure, so a second trace),
 steps 2 and 3 must run one traced graph.  The MLP runs compiled (aot_eager
@@ -23,6 +25,7 @@ from helpers import CountingBackend, run_on_ranks
 pytestmark = pytest.mark.gloo
 
 KINDS = ("mlp", "transformer", "conv")
+CLIP = {"transformer": 0.5}
 GLOBAL_BATCHES = (16, 12, 8)  # 4, 3 and 2 samples per rank
 
 
@@ -45,7 +48,7 @@ def _compare(rank: int, world: int, kind: str) -> dict[str, object]:
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=0.01)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9, weight_decay=0.01)
     counting = CountingBackend("aot_eager")
-    step = data_parallel(make_step(kind), mesh, backend=counting if kind == "mlp" else None)
+    step = data_parallel(make_step(kind, CLIP.get(kind)), mesh, backend=counting if kind == "mlp" else None)
     out: dict[str, object] = {"loss": [], "grad": [], "param": [], "grad_type": set()}
     graphs_after = []
     for i, n in enumerate(GLOBAL_BATCHES):
@@ -56,6 +59,8 @@ def _compare(rank: int, world: int, kind: str) -> dict[str, object]:
         opt.zero_grad()
         ref_loss = loss_fn(kind, ddp(x), y)
         ref_loss.backward()
+        if kind in CLIP:
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), CLIP[kind])
         ref_grads = [p.grad.clone() for p in ref.parameters()]
         ref_opt.step()
         ref_opt.zero_grad()
