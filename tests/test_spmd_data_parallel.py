@@ -52,11 +52,14 @@ def test_each_bucket_all_reduce_is_issued_before_the_next_buckets_backward(dp):
         ops = _targets(graphs[k])
         assert c10d.all_reduce.default in ops and c10d.wait_tensor.default not in ops
         last_compute = max(i for i, t in enumerate(ops) if t in COMPUTE)
-        assert last_compute < ops.index(c10d.all_reduce.default)  # issued once its gradients are computed
+        last_all_reduce = max(i for i, t in enumerate(ops) if t is c10d.all_reduce.default)
+        assert last_compute < last_all_reduce  # the bucket's all-reduce is issued once its gradients are computed
         if k + 1 < len(entry.buckets):  # ... and the next bucket's backward runs while it is in flight
             assert any(t in COMPUTE for t in _targets(graphs[k + 1]))
+    # the returned loss.detach() (made after the optimizer step) is averaged as soon as the loss exists
+    assert _targets(graphs[0]).count(c10d.all_reduce.default) == 2
     last = _targets(graphs[-1])  # the waits, then the optimizer's update
-    assert last.count(c10d.all_reduce.default) == 1  # the returned loss.detach(), made after the optimizer step
+    assert c10d.all_reduce.default not in last
     assert last.index(c10d.wait_tensor.default) < last.index(aten.add_.Tensor)
     split_ops = [n.target for n in entry.split.graph.nodes]
     assert c10d.wait_tensor.default not in split_ops and c10d.all_reduce.default not in split_ops

@@ -17,7 +17,9 @@ this pass does the same:
    before the first of them: the collective overlaps the rest of the backward;
 2. any other Partial value that is still read whole afterwards (a returned
    mean loss, a Partial value that does not come from a gradient) is averaged
-   the same way right before its readers.  With equal local batch sizes and a
+   the same way before its readers, issued as soon as the value exists (for
+   a ``detach`` of a Partial value, as soon as what it detaches exists, so a
+   returned ``loss.detach()`` is averaged during the backward).  With equal local batch sizes and a
    mean loss that is the full-batch value; a returned sum comes back as the
    mean over ranks of the local sums.
 
@@ -41,6 +43,7 @@ from torch.distributed.tensor import Partial
 log = logging.getLogger(__name__)
 
 c10d = torch.ops._c10d_functional
+_ALIASES = (torch.ops.aten.detach.default, torch.ops.aten.alias.default)
 
 
 @dataclasses.dataclass
@@ -147,8 +150,10 @@ def insert_reductions(
         if a in still:
             readers_of.setdefault(a, []).append(output)
     mutations: dict[torch.fx.Node, list[torch.fx.Node]] = {}
+    mutated_anywhere: set[torch.fx.Node] = set()
     for n in graph.nodes:
         for m in mutated_inputs(n):
+            mutated_anywhere.add(m)
             if m in readers_of:
                 mutations.setdefault(m, []).append(n)
     pos = {n: i for i, n in enumerate(graph.nodes)}
@@ -157,6 +162,19 @@ def insert_reductions(
         for reader in sorted(set(readers_of[source]), key=pos.__getitem__):
             earlier = [m for m in mutations.get(source, []) if pos[m] < pos[reader]]
             versions.setdefault(earlier[-1] if earlier else source, []).append(reader)
+        if len(versions) == 1 and source not in mutations:
+            # A detach of a Partial value (``return loss.detach()``, made after the optimizer step) holds
+            # the same numbers as what it detaches: average that as soon as it exists.
+            read = source
+            while read.target in _ALIASES and read.args[0] not in mutated_anywhere and partial(read.args[0]):
+                read = read.args[0]
+            collective, wait = _average(graph, read, read, group_name, world_size)
+            group = next(iter(versions.values()))
+            group[0].prepend(wait)
+            for reader in group:
+                reader.replace_input_with(source, wait)
+            reductions.append(Reduction(source, collective, wait, False))
+            continue
         for version, group in versions.items():
             collective, wait = _average(graph, source, version, group_name, world_size)
             group[0].prepend(wait)
