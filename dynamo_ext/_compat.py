@@ -367,10 +367,3 @@ def no_duck_shapes() -> Any:
     from torch.fx.experimental import _config
 
     return _config.patch(use_duck_shape=False)
-
-
-def is_fake_tensor(t: Any) -> bool:
-    """``isinstance(t, torch._subclasses.FakeTensor)``."""
-    from torch._subclasses.fake_tensor import FakeTensor
-
-    return isinstance(t, FakeTensor)
