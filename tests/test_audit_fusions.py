@@ -3,7 +3,8 @@
 - Tier 1, hand-made structured-trace records fed to the collector and events fed to the
   merge: a forward fusion (logged before its frame's ``compilation_metrics``) and a lazy
   backward one (logged after) land on the graph of their compile id, a reused compile id
-  (after ``torch._dynamo.reset()``) on the new graph; ranks, terminal, HTML and JSON.
+  (after ``torch._dynamo.reset()``) on the new graph; ranks, terminal, HTML and JSON; the
+  same records read back from TORCH_TRACE logs (``dynamo-ext audit merge DIR``).
 - Tier 1, real: the residual + RMSNorm fusion compiled on the fake process group under the
   collector is listed for that graph.
 """
@@ -22,6 +23,7 @@ from dynamo_ext.audit.collector import FUSION_ARTIFACT, Collector
 from dynamo_ext.audit.html import render_html
 from dynamo_ext.audit.merge import merge
 from dynamo_ext.audit.render import render_text
+from dynamo_ext.audit.trace_reader import merge_trace_dir
 from dynamo_ext.inductor_lowerings import _compat, decisions
 
 
@@ -62,15 +64,19 @@ def _compile_records(frame, function, line):
     return graph, _record({"compilation_metrics": metrics})
 
 
-def _rank_events(*, backward_fusion: bool):
+def _rank_records(*, backward_fusion: bool):
     """One rank: ``block`` with a forward fusion and (optionally) a lazy backward one; ``other`` without."""
-    c = Collector()
     block_graph, block_metrics = _compile_records(0, "block", 10)
     other_graph, other_metrics = _compile_records(1, "other", 30)
     records = [block_graph, _fusion(0, "all_reduce"), block_metrics, other_graph, other_metrics]
     if backward_fusion:
         records.append(_fusion(0, "all_reduce_1", kernel="one_shot", nbytes=512))
-    for r in records:
+    return records
+
+
+def _rank_events(*, backward_fusion: bool):
+    c = Collector()
+    for r in _rank_records(backward_fusion=backward_fusion):
         c.emit(r)
     events = [e for e in c.events if e["ev"] != "comm_graph"]
     assert not [e for e in events if e["ev"] == "internal"], events
@@ -144,6 +150,18 @@ def test_terminal_html_and_json_list_the_fusions():
     assert report_from_json(data) == report
     plain = dataclasses.replace(report, graphs=tuple(dataclasses.replace(g, fusions=()) for g in report.graphs))
     assert "fusions applied" not in str(plain) and "fusions applied" not in render_html(plain)
+
+
+def test_torch_trace_logs_list_the_fusions(tmp_path):
+    """``dynamo-ext audit merge DIR`` of TORCH_TRACE logs: the same records as glog lines, payloads tab-indented."""
+    for rank in (0, 1):
+        with open(tmp_path / f"dedicated_log_torch_trace_rank_{rank}_x.log", "w") as f:
+            for r in _rank_records(backward_fusion=rank == 0):
+                f.write(f"V1123 16:05:09.055000 20606 torch/_logging/structured.py:1] {json.dumps(r.metadata)}\n")
+                f.writelines(f"\t{line}\n" for line in r.payload.splitlines())
+    graphs = {g.function: g for g in merge_trace_dir(str(tmp_path)).graphs}
+    assert graphs["block"].fusions == _report().graphs[0].fusions
+    assert [f.phase for f in graphs["block"].fusions] == ["forward", "backward"]
 
 
 def test_real_compile_lists_the_rms_norm_fusion(world):
