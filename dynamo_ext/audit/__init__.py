@@ -19,6 +19,7 @@ from .numerics import Step, check_step
 from .records import (
     AuditReport,
     Frame,
+    Fusion,
     Graph,
     GraphBreak,
     Numerics,
@@ -33,6 +34,7 @@ __all__ = [
     "AuditReport",
     "BreakDiff",
     "Frame",
+    "Fusion",
     "Graph",
     "GraphBreak",
     "Numerics",

@@ -117,13 +117,16 @@ def render_html(report: AuditReport) -> str:
         + f'</td><td>{format_ranks(r.ranks)}</td><td class="num">{r.count}</td></tr>'
         for r in report.recompiles
     ]
+    fusions = any(g.fusions for g in report.graphs)
     graphs = [
         f'<tr class="graph-row" data-ranks="{",".join(map(str, g.ranks))}"><td><code>{escape(g.id)}</code>'
         + (' <span class="risk">HANG RISK</span>' if g.hang_risk else "")
         + f'</td><td>{g.phase}</td><td class="num">{g.op_count}</td>'
         f"<td>{escape(', '.join(f'{k} x{v}' for k, v in g.collectives)) or '-'}</td>"
         f"<td>{escape(', '.join(f'{k} x{v}' for k, v in g.backward_collectives)) or '-'}</td>"
-        f'<td>{format_ranks(g.ranks)}</td><td class="num">{g.compile_time_s:.2f}</td></tr>'
+        f'<td>{format_ranks(g.ranks)}</td><td class="num">{g.compile_time_s:.2f}</td>'
+        + (f"<td>{'<br>'.join(escape(f.describe(g.ranks)) for f in g.fusions) or '-'}</td>" if fusions else "")
+        + "</tr>"
         for g in report.graphs
     ]
     ranks = [
@@ -185,7 +188,7 @@ torch {escape(report.torch_version)} &middot; plugin {plugin}</p>
 <table id="recompiles"><thead><tr><th>function</th><th>where</th><th>failed guard</th><th>ranks</th><th>count</th></tr></thead>
 <tbody>{"".join(recompiles)}</tbody></table>
 <h2>Graphs</h2>
-<table id="graphs"><thead><tr><th>graph</th><th>phase</th><th>ops</th><th>collectives (fwd)</th><th>collectives (bwd)</th><th>ranks</th><th>compile s</th></tr></thead>
+<table id="graphs"><thead><tr><th>graph</th><th>phase</th><th>ops</th><th>collectives (fwd)</th><th>collectives (bwd)</th><th>ranks</th><th>compile s</th>{"<th>fusions applied</th>" if fusions else ""}</tr></thead>
 <tbody>{"".join(graphs)}</tbody></table>
 {comm_html}<h2>Ranks</h2>
 <table id="ranks"><thead><tr><th>rank</th><th>host</th><th>status</th><th>breaks</th><th>skips</th><th>graphs</th><th>recompiles</th><th>compile s</th><th>Dynamo counter</th><th>error</th></tr></thead>

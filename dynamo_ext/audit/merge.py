@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from .identity import break_id, fix_for
-from .records import AuditReport, Frame, Graph, GraphBreak, Numerics, NumericsMismatch, RankSummary, Recompile
+from .records import AuditReport, Frame, Fusion, Graph, GraphBreak, Numerics, NumericsMismatch, RankSummary, Recompile
 
 _RESUME = re.compile(r"^torch_dynamo_resume_in_(.+)_at_(\d+)$")
 _CID_PREFIX = re.compile(r"^\s*!?[\d/]+:\s*", re.M)
@@ -106,6 +106,9 @@ class Merger:
         seqs: dict[str, list[str]] = defaultdict(list)
         comm: list[dict[str, Any]] = []
         has_comm = False
+        # Fusions by compile id: a forward graph's arrive before its compile event, a lazy backward's after it.
+        graph_of: dict[str, str] = {}
+        pending: dict[str, list[dict[str, Any]]] = defaultdict(list)
         for e in events:
             ev = e.get("ev")
             if ev in ("comm_graph", "numerics"):
@@ -123,7 +126,19 @@ class Merger:
                     self._add_recompile(rank, e)
                 if e.get("has_graph"):
                     info["graphs"] += 1
-                    seqs[self._add_graph(rank, e)] += _sequence(e)
+                    gid = self._add_graph(rank, e)
+                    seqs[gid] += _sequence(e)
+                    graph_of[str(e.get("compile_id"))] = gid
+                    for f in pending.pop(str(e.get("compile_id")), ()):
+                        self._add_fusion(rank, gid, f)
+                else:
+                    pending.pop(str(e.get("compile_id")), None)
+            elif ev == "fusion":
+                cid = str(e.get("compile_id"))
+                if e.get("after_compile") and cid in graph_of:
+                    self._add_fusion(rank, graph_of[cid], e)
+                else:
+                    pending[cid].append(e)
             elif ev == "start":
                 info["start"] = {k: e.get(k) for k in ("host", "node_rank", "local_rank")}
                 self._plugin = self._plugin or dict(e.get("plugin", {}))
@@ -135,6 +150,7 @@ class Merger:
                 self._numerics[rank] = e
             elif ev == "internal":
                 self._internal.append(f"rank {rank}: {e['message']}")
+        # Fusions still pending belong to a compile that never finished (no graph): left out.
         for gid, seq in seqs.items():
             self._graphs[gid]["seqs"][rank] = self._intern(seq)
         self._ranks[rank] = info
@@ -164,9 +180,13 @@ class Merger:
         if e.get("wrapper"):
             g["wrappers"].add(e["wrapper"])
 
+    def _add_fusion(self, rank: int, gid: str, f: dict[str, Any]) -> None:
+        key = (f["fusion"], f.get("kernel", ""), f.get("group_name", ""), int(f.get("nbytes", 0)), f.get("node", ""))
+        self._graphs[gid]["fusions"].setdefault((*key, f.get("phase", "forward")), set()).add(rank)
+
     def _add_graph(self, rank: int, e: dict[str, Any]) -> str:
         gid = graph_id(e)
-        g = self._graphs.setdefault(gid, {"e": e, "ops": {}, "colls": None, "seqs": {}, "time": 0.0})
+        g = self._graphs.setdefault(gid, {"e": e, "ops": {}, "colls": None, "seqs": {}, "time": 0.0, "fusions": {}})
         g["ops"][rank] = int(e["op_count"])
         if g["colls"] is None:
             g["colls"] = (
@@ -329,6 +349,7 @@ class Merger:
                     hang_risk=multi and len(ref_seqs) > 1,
                     divergent=divergent,
                     collective_sequence_by_rank=tuple(sorted({**dict.fromkeys(ref, ()), **seqs}.items())),
+                    fusions=tuple(Fusion(*k, ranks=tuple(sorted(rs))) for k, rs in g["fusions"].items()),
                 )
             )
         return graphs

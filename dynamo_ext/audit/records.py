@@ -74,6 +74,37 @@ class GraphBreak:
 
 
 @dataclasses.dataclass(frozen=True)
+class Fusion:
+    """One fusion dynamo-ext's Inductor passes applied in a graph, merged over the ranks that applied it.
+
+    From the ``dynamo_ext_fusion`` structured-trace artifact (one per applied
+    fusion, see ``dynamo_ext/inductor_lowerings/decisions.py``).  ``fusion``: the
+    pass (``"residual_rms_norm"``); ``kernel``: what runs (``"one_shot"``,
+    ``"two_shot"`` or ``"epilogue"``); ``group``: the collective's process-group
+    name; ``nbytes``: the all-reduced bytes per rank; ``node``: the collective's FX
+    node; ``phase``: ``"forward"`` or ``"backward"`` (the graph Inductor compiled).
+    """
+
+    fusion: str
+    kernel: str
+    group: str
+    nbytes: int
+    node: str
+    phase: str
+    ranks: tuple[int, ...]
+
+    def __str__(self) -> str:
+        bwd = " (bwd)" if self.phase == "backward" else ""
+        return f"{self.fusion} ({self.kernel}) at {self.node}{bwd}, group {self.group}, {self.nbytes} B"
+
+    def describe(self, graph_ranks: tuple[int, ...]) -> str:
+        """``str(self)``, with the ranks when only some of the graph's ranks (``graph_ranks``) applied it."""
+        from .ranges import format_ranks
+
+        return str(self) if self.ranks == graph_ranks else f"{self} [ranks {format_ranks(self.ranks)}]"
+
+
+@dataclasses.dataclass(frozen=True)
 class Graph:
     """One compiled graph (a Dynamo frame compile that produced a graph), merged over ranks.
 
@@ -83,6 +114,8 @@ class Graph:
     different number of times or with different op counts.  ``hang_risk``: the
     ordered collectives it issues differ between ranks
     (``collective_sequence_by_rank``: forward names, then ``bwd:`` names).
+    ``fusions``: the fusions dynamo-ext's Inductor passes applied to it (forward
+    and backward graph), each distinct one once, in the order first seen.
     """
 
     id: str
@@ -98,6 +131,7 @@ class Graph:
     hang_risk: bool
     divergent: bool = False
     collective_sequence_by_rank: tuple[tuple[int, tuple[str, ...]], ...] = ()
+    fusions: tuple[Fusion, ...] = ()
 
     @property
     def op_count(self) -> int:
@@ -455,6 +489,7 @@ def report_from_json(data: dict[str, Any]) -> AuditReport:
                 "collective_sequence_by_rank": tuple(
                     (int(r), tuple(seq)) for r, seq in g.get("collective_sequence_by_rank", ())
                 ),
+                "fusions": tuple(Fusion(**{**f, "ranks": tuple(f["ranks"])}) for f in g.get("fusions", ())),
             }
         )
         for g in data.get("graphs", [])

@@ -117,6 +117,9 @@ def _graphs(report: AuditReport) -> Table | None:
     t.add_column("ops", justify="right")
     t.add_column("collectives fwd / bwd", overflow="fold")
     t.add_column("ranks")
+    fusions = any(g.fusions for g in report.graphs)
+    if fusions:
+        t.add_column("fusions applied", overflow="fold")
     for g in report.graphs:
         colls = ", ".join(f"{k}x{v}" for k, v in g.collectives) or _NONE
         bcolls = ", ".join(f"{k}x{v}" for k, v in g.backward_collectives) or _NONE
@@ -124,7 +127,10 @@ def _graphs(report: AuditReport) -> Table | None:
         label = Text(g.id)
         if g.hang_risk:
             label.append("  [HANG RISK]", style="bold red")
-        t.add_row(label, g.phase, ops, f"{colls} / {bcolls}", _ranks(g.ranks, report.world_size))
+        row = [label, g.phase, ops, f"{colls} / {bcolls}", _ranks(g.ranks, report.world_size)]
+        if fusions:
+            row.append(Text("\n".join(f.describe(g.ranks) for f in g.fusions) or _NONE))  # Text: no markup
+        t.add_row(*row)
     return t
 
 
