@@ -564,3 +564,48 @@ def global_state_source() -> Any:
     In ``torch._dynamo.source`` on 2.11 to 2.15.
     """
     return _source.GlobalStateSource()
+
+
+# ---- data_parallel: step tracing (spmd/step_trace.py) ------------------------
+def reparametrize_module(module: Any, tensors: dict[str, Any]) -> Any:
+    """Context manager swapping ``module``'s parameters and buffers for ``tensors`` (by qualified name).
+
+    ``torch.nn.utils.stateless._reparametrize_module`` (2.11 to 2.15; what ``torch.func.functional_call``
+    uses), with tied weights kept tied.
+    """
+    from torch.nn.utils import stateless
+
+    return stateless._reparametrize_module(module, tensors, tie_weights=True)
+
+
+def symbolic_fake_mode() -> Any:
+    """A ``FakeTensorMode`` with its own ``ShapeEnv`` (symbolic sizes), as AOTAutograd builds one."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    return FakeTensorMode(shape_env=ShapeEnv())
+
+
+def fake_tensor(mode: Any, t: Any, *, dynamic_dim: int | None, name: str) -> Any:
+    """``t`` as a fake tensor of ``mode``: every size static except ``dynamic_dim`` (a fresh symbol, hint = its size).
+
+    ``ConstantSource`` names the symbol's origin in guards (Dynamo's ``torch._dynamo.source``).
+    """
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, StatelessSymbolicContext
+
+    if dynamic_dim is None:
+        return mode.from_tensor(t, static_shapes=True)
+    sizes = [DimDynamic.DYNAMIC if d == dynamic_dim else DimDynamic.STATIC for d in range(t.ndim)]
+    ctx = StatelessSymbolicContext(dynamic_sizes=sizes)
+    return mode.from_tensor(t, source=_source.ConstantSource(name), symbolic_context=ctx)
+
+
+def no_duck_shapes() -> Any:
+    """Context manager: Dynamo gives every dynamic size its own symbol (``torch.fx.experimental._config``).
+
+    With duck shapes (the default) a batch size equal to a static size (3 samples, 3 channels) shares its
+    symbol, and the guard that pins the channels pins the batch too: a recompile for the next batch size.
+    """
+    from torch.fx.experimental import _config
+
+    return _config.patch(use_duck_shape=False)

@@ -388,10 +388,9 @@ class TestJsonAndGate(TestCase):
             """\
 
 
-  rank   status   breaks   skips   graphs   recompiles   compile s   counters
- ━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━
-  0      ok       1        0       1        0            0.50        ok
-  1      ok       1        0       1        0            0.50        ok
+  rank   host   status   breaks   skips   graphs   recompiles   compile s   counters
+ ━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━
+  0, 1   ?      ok       1        0       1        0            0.50        ok
 
 """,
         )

@@ -46,7 +46,7 @@ def worker_pids() -> list[int]:
                 cmd = Path(f"/proc/{d}/cmdline").read_bytes()
             except OSError:
                 continue
-            if b"dynamo_ext.audit.worker" in cmd and b"misbehaves.py" in cmd:
+            if b"dynamo_ext.audit.collect" in cmd and b"misbehaves.py" in cmd:
                 out.append(int(d))
     return out
 
@@ -301,15 +301,18 @@ def test_unknown_module_and_function():
         # raise and die end by themselves: a timeout they never reach (a loaded 2-core machine can take over
         # 20 s to start two ranks); hang waits for it, long enough for both ranks to reach the print break.
         ("raise", "error", "rank 1 raised ValueError: rank 1 refuses (at tests/audit_targets/misbehaves.py:", 240),
-        ("die", "died", "rank 1 ended without finishing (exit code 7)", 240),
-        ("hang", "timeout", "timeout: rank(s)", 45),
+        ("kill", "died", "rank 1 ended without finishing (exit code -9 (signal 9))", 240),
+        ("hang", "timeout", "timeout: after 45 s: rank 1 hung at tests/audit_targets/misbehaves.py:", 45),
     ],
 )
 def test_rank_failures(mode, status, message, timeout):
+    """A rank that raised, was killed or hung: exit 2 naming it, and the partial JSON and HTML are written
+    (``audit merge`` exits 1 for the same ranks: test_audit_multinode.py)."""
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "partial.json")
+        html = Path(tmp) / "partial.html"
         proc = cli(
-            *("--nproc", "2", "--quiet", "--timeout", str(timeout), "--json", out),
+            *("--nproc", "2", "--quiet", "--timeout", str(timeout), "--json", out, "--html", str(html)),
             *(str(MISBEHAVES.relative_to(REPO)), "--", mode),
             timeout=timeout + 60,
         )
@@ -317,7 +320,21 @@ def test_rank_failures(mode, status, message, timeout):
         lines = proc.stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("dynamo-ext audit: error: " + message), lines
         data = json.loads(Path(out).read_text())
+        page = html.read_text()
     assert data["ranks"][1]["status"] == status
+    if mode == "hang":  # the hung rank is named with its line; the other waits for it in a collective
+        line = marker_line(MISBEHAVES, "time.sleep(3600)")
+        assert (
+            lines[0]
+            .split("; rank logs")[0]
+            .endswith(
+                f"misbehaves.py:{line} in main (time.sleep(3600)); rank(s) 0 waiting in torch.distributed; killed"
+            )
+        ), lines
+        assert data["ranks"][0]["error"].startswith("still running after 45 s, waiting in torch.distributed (barrier)")
+    rows = re.findall(r'<tr class="rank-row"><td class="num">(\d)</td><td>[^<]*</td><td class="(\w+)">(\w+)</td>', page)
+    assert rows[1] == ("1", "bad", status)
+    assert "error: " + message.split(" (at ")[0] in page.replace("&#x27;", "'")
     # What was collected before the failure is in the report: the print break, on both ranks.
     (b,) = data["graph_breaks"]
     assert b["line"] == marker_line(MISBEHAVES, "BREAK_PRINT") and b["ranks"] == [0, 1]

@@ -9,7 +9,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from dynamo_ext.spmd.batch_dim import analyze_batch_dims
+from dynamo_ext.spmd.batch_dim import analyze_batch_dims, analyze_step
 
 
 @pytest.fixture
@@ -110,3 +110,21 @@ def test_bad_arguments(dp):
         analyze_batch_dims(gm, [torch.randn(8, 6)], [2], dp)
     with pytest.raises(ValueError, match="needs a 1-D data-parallel mesh"):
         analyze_batch_dims(gm, [torch.randn(8, 6)], [0], init_device_mesh("cpu", (2, 2)))
+
+
+def test_step_analysis_records_where_gradients_are_read_whole_and_local_batch_reductions(dp):
+    def step(x, y, w):
+        loss = F.cross_entropy(x @ w, y)  # nll_loss's backward divides by the sample count: a local read
+        (g,) = torch.autograd.grad(loss, [w])
+        return w.detach().clone().sub_(0.1 * g)  # an in-place update reads the gradient whole: a reduction edge
+
+    g = torch.Generator().manual_seed(0)
+    args = [torch.randn(8, 6, generator=g), torch.randint(0, 3, (8,), generator=g)]
+    args.append(torch.randn(6, 3, generator=g, requires_grad=True))
+    gm = make_fx(step)(*args)
+    result = analyze_step(gm, args, [0, 0, None], dp)
+    assert result.reduce_before == {"sub_": ["mul"]}
+    assert list(result.local_reads) == ["nll_loss_backward"]
+    assert result.layouts["mul"] == Partial("sum") and result.layouts["sub_"] == Replicate()
+    with pytest.raises(ValueError, match="the batch dim of node 'nll_loss_backward'"):
+        analyze_batch_dims(gm, args, [0, 0, None], dp)  # without reductions allowed: refused, named

@@ -6,7 +6,10 @@
     report.to_json()                             # the documented JSON schema
 
 The command line (``dynamo-ext audit``, :mod:`.cli`) runs a script or a
-``module:function`` on N ranks with torch's launcher; see docs/audit.md.
+``module:function`` on N ranks with torch's launcher; under your own launcher
+(torchrun on many nodes, srun) each rank runs ``python -m
+dynamo_ext.audit.collect --out DIR`` and ``dynamo-ext audit merge DIR``
+reports afterwards; see docs/audit.md.
 """
 
 from typing import Any
@@ -16,6 +19,7 @@ from .numerics import Step, check_step
 from .records import (
     AuditReport,
     Frame,
+    Fusion,
     Graph,
     GraphBreak,
     Numerics,
@@ -30,6 +34,7 @@ __all__ = [
     "AuditReport",
     "BreakDiff",
     "Frame",
+    "Fusion",
     "Graph",
     "GraphBreak",
     "Numerics",

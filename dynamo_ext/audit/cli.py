@@ -1,4 +1,4 @@
-"""``dynamo-ext audit [options] [TARGET] [-- ARGS...]`` and ``dynamo-ext audit diff OLD.json NEW.json``.
+"""``dynamo-ext audit [options] [TARGET] [-- ARGS...]``, ``dynamo-ext audit merge DIR`` and ``dynamo-ext audit diff OLD.json NEW.json``.
 
 Exit status: 0 when the run finished and passed the gate; 1 when a budget
 (``--max-breaks``, ``--max-recompiles``, ``--max-hang-risks``) is exceeded,
@@ -6,7 +6,9 @@ Exit status: 0 when the run finished and passed the gate; 1 when a budget
 eager step, or a break that
 ``--baseline`` does not have appears; 2 on an error (bad input, a rank that
 raised, died or hung).  Reports asked for with ``--json``/``--html`` are written
-in every case, with whatever was collected.
+in every case, with whatever was collected.  ``audit merge`` (:mod:`.merge_cli`)
+exits 1, not 2, for ranks that did not finish (NOTE [exit status: audit vs
+audit merge]).
 """
 
 from __future__ import annotations
@@ -34,7 +36,11 @@ def _parser() -> argparse.ArgumentParser:
         description="Run a distributed program on N local ranks under torch.compile (with dynamo-ext) and report "
         "every graph break and recompile, merged over ranks.",
         epilog="TARGET is a script path or module:function; without it, the bundled Llama TP+FSDP2 example "
-        f"({DEFAULT_TARGET}, 4 ranks). Arguments after -- go to the target. Also: dynamo-ext audit diff OLD.json NEW.json",
+        f"({DEFAULT_TARGET}, 4 ranks). Arguments after -- go to the target. Exit status: 0 passed; 1 the gate failed "
+        "(budgets, --baseline, hang risks, numerics); 2 an error: bad input, or a rank raised, died (killed) or hung "
+        "past --timeout (the rank is named; --json/--html are still written with what was collected). "
+        "Also: dynamo-ext audit merge DIR (a job run under python -m dynamo_ext.audit.collect; exits 1 for ranks "
+        "that did not finish), dynamo-ext audit diff OLD.json NEW.json",
     )
     p.add_argument("target", nargs="?", default=None, metavar="TARGET")
     p.add_argument(
@@ -104,7 +110,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def _validate_target(target: str) -> str | None:
     """Why ``target`` cannot run, in one line, or ``None``."""
-    from .worker import is_function_target, resolve_function
+    from .collect import is_function_target, resolve_function
 
     if is_function_target(target):
         module, _, func = target.partition(":")
@@ -316,7 +322,8 @@ def warning_summary(caught: list[warnings.WarningMessage]) -> str:
 
 def _main(argv: list[str]) -> int:
     if not argv or argv[0] in ("-h", "--help"):
-        print("usage: dynamo-ext audit [options] [TARGET] [-- ARGS...]\n       dynamo-ext audit diff OLD.json NEW.json\n\n"
+        print("usage: dynamo-ext audit [options] [TARGET] [-- ARGS...]\n       dynamo-ext audit merge [options] DIR\n"
+              "       dynamo-ext audit diff OLD.json NEW.json\n\n"
               "Run 'dynamo-ext audit --help' for the options.")  # fmt: skip
         return EXIT_OK if argv else EXIT_ERROR
     if argv[0] != "audit":
@@ -326,4 +333,8 @@ def _main(argv: list[str]) -> int:
         return EXIT_ERROR
     if len(argv) > 1 and argv[1] == "diff":
         return _diff(argv[2:])
+    if len(argv) > 1 and argv[1] == "merge":
+        from .merge_cli import main as merge_main
+
+        return merge_main(argv[2:])
     return _audit(argv[1:])

@@ -14,6 +14,9 @@ reads, through one ``logging.Handler`` on the ``torch.__trace`` logger:
   while the ``graph_breaks`` artifact logger is enabled, so :meth:`start`
   raises its level.
 - ``dynamo_output_graph`` / ``aot_*_graph``: the graph text, for collectives.
+- ``artifact dynamo_ext_fusion``: one per fusion dynamo-ext's Inductor passes
+  applied, keyed by the compile id like every artifact; the merge attaches it
+  to the graph of that compile.
 - ``compilation_metrics``: one per frame compile, with the op count, the
   compile time and, for a recompile, the failed guard in words (our guards
   put words there, see ``dynamo_ext/guards/reasons.py``).
@@ -47,6 +50,8 @@ _RESUME = re.compile(r"^torch_dynamo_resume_in_(.+)_at_\d+$")
 _COLLECTIVE = re.compile(r"(?:_c10d_functional(?:_autograd)?|c10d_functional|torch\.distributed\.\w+)\.(\w+)")
 _NOT_COLLECTIVES = {"wait_tensor", "default", "wait", "get_rank", "get_world_size"}
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+# dynamo_ext.inductor_lowerings.decisions.ARTIFACT_NAME, by name: the audit imports nothing of the lowerings.
+FUSION_ARTIFACT = "dynamo_ext_fusion"
 RECOMPILE_LIMIT_GB_TYPE = "Dynamo recompile limit exceeded"
 _CID_PREFIX = re.compile(r"^\s*!?[\d/]+:\s*", re.M)
 _USER_FRAME = re.compile(r'^\s*File "([^"]+)", line (\d+), in (\S+)', re.M)
@@ -55,7 +60,7 @@ _DROP_ABOVE = (
     os.path.join(_TORCH_DIR, "_dynamo"),
     os.path.join(_TORCH_DIR, "nn", "modules", "module.py"),
     os.path.dirname(logging.__file__),
-    *(os.path.join(os.path.dirname(__file__), f) for f in ("worker.py", "api.py", "collector.py")),
+    *(os.path.join(os.path.dirname(__file__), f) for f in ("collect.py", "api.py", "collector.py")),
     "<frozen ",
 )
 
@@ -153,6 +158,7 @@ class Collector(logging.Handler):
         self.events: list[dict[str, Any]] = []
         self._sink = sink
         self._graphs: dict[str, dict[str, str]] = {}
+        self._compiled: set[str] = set()  # compile ids whose compile event was recorded (and not reused since)
         self._lock_events = threading.Lock()
         self._saved_levels: list[tuple[logging.Logger, int]] = []
         self._break_excs: list[Any] = []
@@ -209,8 +215,11 @@ class Collector(logging.Handler):
         try:
             if name == "artifact" and md["artifact"].get("name") == "dynamo_graph_break_reason":
                 self._on_break(md, getattr(record, "payload", "") or "")
+            elif name == "artifact" and md["artifact"].get("name") == FUSION_ARTIFACT:
+                self._on_fusion(md, getattr(record, "payload", "") or "")
             elif name == "dynamo_output_graph":
                 self._graphs.setdefault(_compile_key(md), {})["dynamo"] = getattr(record, "payload", "") or ""
+                self._compiled.discard(_compile_key(md))  # ids repeat after torch._dynamo.reset()
                 self._on_graph_module(name, md, "")
             elif name in ("aot_forward_graph", "aot_inference_graph", "aot_backward_graph"):
                 side = "backward" if name == "aot_backward_graph" else "forward"
@@ -244,6 +253,30 @@ class Collector(logging.Handler):
             }
         if event is not None:
             self.record(event)
+
+    def _on_fusion(self, md: dict[str, Any], payload: str) -> None:
+        """One applied fusion (the JSON payload of ``decisions.applied``), keyed by the compile id of its graph.
+
+        A forward graph's fusions come before that frame's ``compile`` event, a
+        lazily compiled backward's after it: ``after_compile`` says which (the
+        merge attaches the fusion to the next, or the last, compile of that id).
+        """
+        p = json.loads(payload)
+        cid = _compile_key(md) if md.get("frame_id") is not None else str(p.get("compile_id") or "")
+        after = cid in self._compiled
+        self.record(
+            {
+                "ev": "fusion",
+                "compile_id": cid,
+                "fusion": str(p["fusion"]),
+                "kernel": str(p.get("kernel") or ""),
+                "group_name": str(p.get("group_name") or ""),
+                "nbytes": int(p.get("nbytes") or 0),
+                "node": str(p.get("node") or ""),
+                "phase": "backward" if after else _phase(md, cid),
+                "after_compile": after,
+            }
+        )
 
     def _on_break(self, md: dict[str, Any], payload: str) -> None:
         # Not sys.exc_info(): on 2.13 a data-dependent branch is logged outside any except.
@@ -295,6 +328,7 @@ class Collector(logging.Handler):
     def _on_metrics(self, m: dict[str, Any]) -> None:
         cid = str(m.get("compile_id") or "")
         graphs = self._graphs.pop(cid, {})
+        self._compiled.add(cid)
         if str(m.get("fail_reason") or "").startswith(RECOMPILE_LIMIT_GB_TYPE):
             self._on_recompile_limit(m, cid)
         has_graph = "dynamo" in graphs or bool(m.get("graph_op_count"))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from html import escape
 
+from .ranges import format_counts, format_ranks
 from .records import AuditReport, GraphBreak
 
 _CSS = """
@@ -61,7 +62,7 @@ def _snippet(b: GraphBreak) -> str:
 def _counts(b: GraphBreak | None) -> tuple[str, str]:
     if b is None:
         return "0", "-"
-    return str(b.count), ", ".join(f"r{r}: {n}" for r, n in b.count_by_rank)
+    return str(b.count), format_counts(b.count_by_rank)
 
 
 def _break_rows(report: AuditReport) -> list[str]:
@@ -96,7 +97,7 @@ def _break_rows(report: AuditReport) -> list[str]:
             f"<td><b>{escape(b.gb_type)}</b> {' '.join(tags)}<br>{escape(b.explanation)}"
             + (f"<br><b>fix:</b> {escape(b.fix)}" if b.fix else "")
             + (f"<details><summary>Dynamo hints</summary><ul>{hints}</ul></details>" if hints else "")
-            + f"</td><td>{escape(','.join(map(str, b.ranks)))}</td>{count_cells}<td>{escape(b.phase)}</td></tr>"
+            + f"</td><td>{escape(format_ranks(b.ranks))}</td>{count_cells}<td>{escape(b.phase)}</td></tr>"
         )
     return rows
 
@@ -113,26 +114,32 @@ def render_html(report: AuditReport) -> str:
         f'<tr class="recompile-row" data-ranks="{",".join(map(str, r.ranks))}"><td>{escape(r.function)}</td>'
         f"<td><code>{escape(r.file)}:{r.line}</code></td><td>{escape(r.reason)}"
         + (' <span class="risk">HANG RISK</span>' if r.hang_risk else "")
-        + f'</td><td>{",".join(map(str, r.ranks))}</td><td class="num">{r.count}</td></tr>'
+        + f'</td><td>{format_ranks(r.ranks)}</td><td class="num">{r.count}</td></tr>'
         for r in report.recompiles
     ]
+    fusions = any(g.fusions for g in report.graphs)
     graphs = [
         f'<tr class="graph-row" data-ranks="{",".join(map(str, g.ranks))}"><td><code>{escape(g.id)}</code>'
         + (' <span class="risk">HANG RISK</span>' if g.hang_risk else "")
         + f'</td><td>{g.phase}</td><td class="num">{g.op_count}</td>'
         f"<td>{escape(', '.join(f'{k} x{v}' for k, v in g.collectives)) or '-'}</td>"
         f"<td>{escape(', '.join(f'{k} x{v}' for k, v in g.backward_collectives)) or '-'}</td>"
-        f'<td>{",".join(map(str, g.ranks))}</td><td class="num">{g.compile_time_s:.2f}</td></tr>'
+        f'<td>{format_ranks(g.ranks)}</td><td class="num">{g.compile_time_s:.2f}</td>'
+        + (f"<td>{'<br>'.join(escape(f.describe(g.ranks)) for f in g.fusions) or '-'}</td>" if fusions else "")
+        + "</tr>"
         for g in report.graphs
     ]
     ranks = [
-        f'<tr class="rank-row"><td class="num">{r.rank}</td><td class="{"ok" if r.status == "ok" else "bad"}">{r.status}</td>'
+        f'<tr class="rank-row"><td class="num">{r.rank}</td><td>{escape(r.host or "?")}'
+        + (f" (node {r.node_rank})" if r.node_rank is not None else "")
+        + f'</td><td class="{"ok" if r.status == "ok" else "bad"}">{r.status}</td>'
         f'<td class="num">{r.graph_breaks}</td><td class="num">{r.frame_skips}</td><td class="num">{r.graphs}</td>'
         f'<td class="num">{r.recompiles}</td><td class="num">{r.compile_time_s:.2f}</td>'
         f"<td>{'-' if r.dynamo_graph_breaks is None else r.dynamo_graph_breaks}</td><td>{escape(r.error)}</td></tr>"
         for r in report.ranks
     ]
     errors = "".join(f'<p class="bad">error: {escape(e)}</p>' for e in report.errors)
+    errors += "".join(f'<p class="skip">note: {escape(n)}</p>' for n in report.notes)
     risk_html = (
         '<h2 class="risk">Hang risk: collective sequences differ across ranks</h2><ul>'
         + "".join(f"<li>{escape(x)}</li>" for x in risks)
@@ -142,7 +149,7 @@ def render_html(report: AuditReport) -> str:
     )
     num = report.numerics
     if num is not None:
-        head = f"{num.compared} tensors compared per rank on ranks {', '.join(map(str, num.ranks))}: "
+        head = f"{num.compared} tensors compared per rank on ranks {format_ranks(num.ranks)}: "
         risk_html += (
             f'<h2 class="bad">Numerics: compiled step differs from eager</h2><p>{escape(head)}'
             f"{len(num.mismatches)} differ; first: <b>{escape(str(num.first))}</b></p><ul>"
@@ -181,10 +188,10 @@ torch {escape(report.torch_version)} &middot; plugin {plugin}</p>
 <table id="recompiles"><thead><tr><th>function</th><th>where</th><th>failed guard</th><th>ranks</th><th>count</th></tr></thead>
 <tbody>{"".join(recompiles)}</tbody></table>
 <h2>Graphs</h2>
-<table id="graphs"><thead><tr><th>graph</th><th>phase</th><th>ops</th><th>collectives (fwd)</th><th>collectives (bwd)</th><th>ranks</th><th>compile s</th></tr></thead>
+<table id="graphs"><thead><tr><th>graph</th><th>phase</th><th>ops</th><th>collectives (fwd)</th><th>collectives (bwd)</th><th>ranks</th><th>compile s</th>{"<th>fusions applied</th>" if fusions else ""}</tr></thead>
 <tbody>{"".join(graphs)}</tbody></table>
 {comm_html}<h2>Ranks</h2>
-<table id="ranks"><thead><tr><th>rank</th><th>status</th><th>breaks</th><th>skips</th><th>graphs</th><th>recompiles</th><th>compile s</th><th>Dynamo counter</th><th>error</th></tr></thead>
+<table id="ranks"><thead><tr><th>rank</th><th>host</th><th>status</th><th>breaks</th><th>skips</th><th>graphs</th><th>recompiles</th><th>compile s</th><th>Dynamo counter</th><th>error</th></tr></thead>
 <tbody>{"".join(ranks)}</tbody></table>
 </body></html>
 """

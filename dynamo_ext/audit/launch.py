@@ -1,11 +1,14 @@
 """Run a target on N local ranks with torch's own launcher and merge what they saw.
 
-The ranks are started by ``python -m torch.distributed.run --standalone``
+The local audit is launch + collect + merge, the same path as a multi-node
+job: the ranks are started by ``python -m torch.distributed.run --standalone``
 (torchrun: the elastic agent, c10d rendezvous on a free port), in its own
 session so a timeout can end the whole tree.  Each rank runs
-:mod:`.worker`; its stdout/stderr go to per-rank log files (torchrun's
+:mod:`.collect`; its stdout/stderr go to per-rank log files (torchrun's
 ``--log-dir --redirects 3``) and its events to ``rank<R>.jsonl``, which this
-module reads while the ranks run (progress) and after (the report).
+module tails while the ranks run (progress) and then merges with
+:func:`.rank_files.merge_dir`, adding what only the launcher knows (timeouts,
+exit codes, ranks it stopped).
 
 NOTE [no stray processes]
 On a timeout the launcher's process group gets SIGTERM (torchrun forwards it
@@ -30,7 +33,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from .merge import merge
+from .merge import Merger
+from .rank_files import merge_dir
 from .records import AuditReport
 
 GRACE_S = 10.0
@@ -47,6 +51,10 @@ class RankProgress:
     recompiles: int = 0
     done: bool = False
     failed: bool = False
+    pid: int = 0
+    last: str = "nothing"
+    error: dict[str, Any] | None = None
+    stack: dict[str, Any] | None = None
 
 
 class _Tail:
@@ -80,7 +88,7 @@ class _Tail:
 def _alive_and_ours(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return b"dynamo_ext.audit.worker" in f.read()
+            return b"dynamo_ext.audit.collect" in f.read()
     except OSError:
         return False
 
@@ -111,6 +119,64 @@ def _reap(pids: list[int]) -> None:
                 continue
     while any(_alive_and_ours(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.05)
+
+
+# NOTE [hung rank]
+# On a timeout, before the ranks are stopped, each unfinished rank gets
+# SIGUSR1: its collect watcher thread records where the main thread is (a
+# ``stack`` event, taken with ``sys._current_frames`` so it works while the
+# rank is blocked inside a collective).  A rank whose stack is not inside
+# torch.distributed is the hung one (user code that never reaches the next
+# collective); ranks inside torch.distributed wait for it.  When every rank
+# waits in torch.distributed, they wait on collectives that do not match.
+ASK_WHERE_S = 5.0
+
+
+def _ask_where(progress: dict[int, RankProgress], poll: Callable[[], None]) -> None:
+    """SIGUSR1 to every started, unfinished rank; wait until each recorded its stack (NOTE [hung rank])."""
+    asked = [p for p in progress.values() if p.pid and not p.done and _alive_and_ours(p.pid)]
+    for p in asked:
+        try:
+            os.kill(p.pid, signal.SIGUSR1)
+        except ProcessLookupError:
+            continue
+    deadline = time.monotonic() + ASK_WHERE_S
+    while any(p.stack is None for p in asked) and time.monotonic() < deadline:
+        time.sleep(0.1)
+        poll()
+
+
+def _where(p: RankProgress) -> str:
+    """Where an unfinished rank is, in words (NOTE [hung rank])."""
+    if p.stack is None:
+        return f"position unknown (last event: {p.last})"
+    frames = p.stack["stack"]
+    file, line, function, source = frames[min(int(p.stack.get("user_index", 0)), len(frames) - 1)]
+    at = f"at {file}:{line} in {function}" + (f" ({source})" if source else "")
+    if p.stack.get("in_distributed"):
+        inner = next((f for f in reversed(frames) if f[0].startswith("torch/distributed/")), frames[-1])
+        return f"waiting in torch.distributed ({inner[2]}) {at}"
+    return f"hung {at}"
+
+
+def _timeout_line(progress: dict[int, RankProgress], ranks: list[int], timeout: float) -> str:
+    """``timeout: rank 1 hung at ...; rank(s) 0 waiting in torch.distributed ...`` (NOTE [hung rank])."""
+    if not ranks:
+        return f"timeout: after {timeout:g} s; killed"
+
+    def waits(r: int) -> bool | None:
+        st = progress[r].stack
+        return None if st is None else bool(st.get("in_distributed"))
+
+    hung = [r for r in ranks if waits(r) is False]
+    waiting = [r for r in ranks if waits(r)]
+    parts = [f"rank {r} {_where(progress[r])}" for r in hung]
+    if hung and waiting:
+        parts.append(f"rank(s) {', '.join(map(str, waiting))} waiting in torch.distributed")
+    else:  # no rank outside torch.distributed: collectives that do not match, each rank where it waits
+        parts += [f"rank {r} {_where(progress[r])}" for r in waiting]
+    parts += [f"rank {r} {_where(progress[r])}" for r in ranks if waits(r) is None]
+    return f"timeout: after {timeout:g} s: " + "; ".join(parts) + "; killed"
 
 
 def _rank_logs(log_dir: str, rank: int) -> str:
@@ -144,11 +210,10 @@ def run_ranks(
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
         "--max-restarts=0", "--monitor-interval=0.1", f"--log-dir={logs}", "--redirects=3",
-        "-m", "dynamo_ext.audit.worker", "--out", work, "--target", target,
-        "--plugin" if plugin else "--no-plugin",
+        "-m", "dynamo_ext.audit.collect", "--out", work, "--plugin" if plugin else "--no-plugin",
         *(["--check-numerics"] if check_numerics else []),
         *([f"--rtol={rtol}", f"--atol={atol}"] if rtol is not None and atol is not None else []),
-        "--", *target_args,
+        target, "--", *target_args,
     ]  # fmt: skip
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
@@ -160,19 +225,20 @@ def run_ranks(
         env["TORCH_COMPILE_OVERRIDE_BACKENDS"] = f">=0:{backend}"
     launcher_log = os.path.join(work, "launcher.log")
     tails = {r: _Tail(os.path.join(work, f"rank{r}.jsonl")) for r in range(nproc)}
-    events: dict[int, list[dict[str, Any]]] = {r: [] for r in range(nproc)}
     progress = {r: RankProgress() for r in range(nproc)}
     pids: list[int] = []
 
     def poll() -> None:
+        # Progress only: the report is merged from the files afterwards.
         for r, tail in tails.items():
             for e in tail.read():
-                events[r].append(e)
                 p = progress[r]
                 ev = e.get("ev")
+                p.last = str(ev)
                 if ev == "start":
                     p.started = True
-                    pids.append(int(e["pid"]))
+                    p.pid = int(e["pid"])
+                    pids.append(p.pid)
                 elif ev == "break":
                     p.breaks += 1
                 elif ev == "compile":
@@ -180,8 +246,11 @@ def run_ranks(
                     p.recompiles += bool(e.get("recompile_reason"))
                 elif ev == "error":
                     p.failed = True
+                    p.error = p.error or e
                 elif ev == "end":
                     p.done = True
+                elif ev == "stack":
+                    p.stack = e
         if on_progress is not None:
             on_progress(progress)
 
@@ -197,6 +266,7 @@ def run_ranks(
                 poll()
                 if time.monotonic() > deadline:
                     timed_out = True
+                    _ask_where(progress, poll)
                     _kill_tree(proc, pids)
                     break
                 time.sleep(0.2)
@@ -210,25 +280,22 @@ def run_ranks(
         launcher_text = f.read()
     exit_codes = {int(r): int(c) for r, c in _FAILURE.findall(launcher_text)}
     root = _FAILURE.findall(launcher_text.partition("Root Cause")[2])
-    killed = {-int(signal.SIGTERM), -int(signal.SIGKILL)}
     statuses: dict[int, dict[str, Any]] = {}
     for r in range(nproc):
-        evs = events[r]
-        err = next((e for e in evs if e["ev"] == "error"), None)
+        p = progress[r]
+        err = p.error
+        # SIGTERM (the launcher stopping the job) unwinds a rank into an "error" and an end line; it did not finish.
+        terminated = err is not None and err.get("type") == "Terminated"
         log = _rank_logs(logs, r)
         code = exit_codes.get(r)
-        if err is not None:
+        if err is not None and not terminated:
             statuses[r] = {"status": "error", "error": err["message"], "log": log, "time": err.get("time", 0.0)}
-        elif any(e["ev"] == "end" for e in evs):
+        elif p.done and not terminated:
             statuses[r] = {"status": "ok", "log": log}
         elif timed_out:
-            last = evs[-1]["ev"] if evs else "nothing"
-            statuses[r] = {
-                "status": "timeout",
-                "error": f"still running after {timeout:g} s (last event: {last})",
-                "log": log,
-            }
-        elif code in killed and (exit_codes.keys() - {r}):
+            statuses[r] = {"status": "timeout", "error": f"still running after {timeout:g} s, {_where(p)}", "log": log}
+        elif (terminated or code == -int(signal.SIGTERM)) and (exit_codes.keys() - {r}):
+            # SIGKILL without the Terminated record is not the launcher's doing (it sends SIGTERM first): died.
             statuses[r] = {
                 "status": "stopped",
                 "error": "stopped by the launcher after another rank failed",
@@ -237,19 +304,18 @@ def run_ranks(
         else:
             why = "no exit status" if code is None else f"exit code {code}" + (f" (signal {-code})" if code < 0 else "")
             statuses[r] = {"status": "died", "error": f"rank {r} ended without finishing ({why})", "log": log}
-    # The root cause first: torchrun's "first observed failure", else the earliest error.
+    # The root cause first: a rank that died (killed, or exited without a word: its peers' collectives then fail,
+    # so their errors are consequences), then torchrun's "first observed failure", else the earliest error.
     failed = sorted(
         (r for r, s in statuses.items() if s["status"] in ("error", "died")), key=lambda r: statuses[r].get("time", 0.0)
     )
     if root and int(root[0][0]) in failed:
         failed.remove(int(root[0][0]))
         failed.insert(0, int(root[0][0]))
+    failed.sort(key=lambda r: statuses[r]["status"] != "died")
     errors: list[str] = []
     if timed_out:
-        hung = [r for r, s in statuses.items() if s["status"] == "timeout"]
-        errors.append(
-            f"timeout: rank(s) {', '.join(map(str, hung)) or '?'} did not finish within {timeout:g} s; killed"
-        )
+        errors.append(_timeout_line(progress, [r for r, s in statuses.items() if s["status"] == "timeout"], timeout))
     if interrupted:
         errors.append("interrupted; ranks killed")
     for r in failed:
@@ -257,20 +323,23 @@ def run_ranks(
         errors.append(f"rank {r} raised {s['error']}" if s["status"] == "error" else s["error"])
     for s in statuses.values():
         s.pop("time", None)
-    if not any(events.values()):
+    if not any(p.started for p in progress.values()):
         tail = [ln for ln in launcher_text.strip().splitlines() if ln.strip()][-1:] or ["(no output)"]
         errors.append(f"no rank started; launcher said: {tail[0]}")
-    plugin_errors = {e.get("plugin", {}).get("error") for evs in events.values() for e in evs if e["ev"] == "start"} - {
-        "",
-        None,
+    plugin_errors = {
+        p.error["message"] for p in progress.values() if p.error and "dynamo_ext.install() failed" in p.error["message"]
     }
     errors = [e for e in errors if not any(pe in e for pe in plugin_errors)] + sorted(plugin_errors)
 
     if errors and not keep_logs:
         keep_logs = True  # the rank logs are what a person reads next
-    report = merge(
-        events, target=target, world_size=nproc, backend=backend or "", statuses=statuses, errors=tuple(errors)
-    )
+    if any(os.path.exists(os.path.join(work, f"rank{r}.jsonl")) for r in range(nproc)):
+        report = merge_dir(work, world_size=nproc, statuses=statuses, errors=tuple(errors), backend=backend or "")
+        report = dataclasses.replace(report, target=target)
+    else:
+        report = Merger().report(
+            target=target, world_size=nproc, backend=backend or "", statuses=statuses, errors=tuple(errors)
+        )
     if not keep_logs:
         shutil.rmtree(work, ignore_errors=True)
         report = dataclasses.replace(report, ranks=tuple(dataclasses.replace(r, log="") for r in report.ranks))

@@ -29,12 +29,13 @@ import dataclasses
 import linecache
 import re
 from collections import defaultdict
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 
 from .identity import break_id, fix_for
-from .records import AuditReport, Frame, Graph, GraphBreak, Numerics, NumericsMismatch, RankSummary, Recompile
+from .records import AuditReport, Frame, Fusion, Graph, GraphBreak, Numerics, NumericsMismatch, RankSummary, Recompile
 
 _RESUME = re.compile(r"^torch_dynamo_resume_in_(.+)_at_(\d+)$")
 _CID_PREFIX = re.compile(r"^\s*!?[\d/]+:\s*", re.M)
@@ -56,9 +57,325 @@ def _phase(phases: set[str]) -> str:
     return "+".join(p for p in ("forward", "backward") if p in phases) or "forward"
 
 
-def _reference_ranks(events_by_rank: dict[int, list[dict[str, Any]]], statuses: dict[int, dict[str, Any]]) -> set[int]:
-    ok = {r for r, s in statuses.items() if s.get("status") == "ok"}
-    return ok or set(events_by_rank)
+# NOTE [streaming merge]
+# :class:`Merger` folds one rank's events at a time into per-finding
+# accumulators (keyed by the break, recompile and graph identities), so merging
+# N rank files holds one rank's events plus what the report itself holds: the
+# distinct findings, each with its ranks and per-rank counts, and one summary
+# per rank.  Collective sequences are interned: 1,000 ranks issuing the same
+# sequence share one tuple.  ``benchmarks/bench_audit_merge.py`` measures it.
+
+
+class Merger:
+    """Builds one :class:`AuditReport` from rank event streams, one rank at a time (NOTE [streaming merge]).
+
+    ``add_rank(rank, events)`` consumes an iterable of event dicts (a rank
+    file being read, see :mod:`.rank_files`); ``report(...)`` gives the merged
+    report.  :func:`merge` is the same for event lists already in memory.
+    """
+
+    def __init__(self) -> None:
+        self._recompiles: dict[str, dict[str, Any]] = {}
+        self._resume_recompiles: dict[tuple[str, int], int] = defaultdict(int)
+        self._breaks: dict[str, dict[str, Any]] = {}
+        self._graphs: dict[str, dict[str, Any]] = {}
+        self._interned: dict[tuple[str, ...], tuple[str, ...]] = {}
+        self._ranks: dict[int, dict[str, Any]] = {}
+        self._numerics: dict[int, dict[str, Any]] = {}
+        self._internal: list[str] = []
+        self._plugin: dict[str, Any] = {}
+        # The events .comm_merge.merge_comm reads, for ranks that recorded a communication report.
+        self._comm_events: dict[int, list[dict[str, Any]]] = {}
+
+    def _intern(self, seq: list[str]) -> tuple[str, ...]:
+        t = tuple(seq)
+        return self._interned.setdefault(t, t)
+
+    def add_rank(self, rank: int, events: Iterable[dict[str, Any]]) -> None:
+        """Fold every event of ``rank`` (read once, in order)."""
+        info: dict[str, Any] = {
+            "start": {},
+            "end": None,
+            "error": None,
+            "graph_breaks": 0,
+            "frame_skips": 0,
+            "graphs": 0,
+            "recompiles": 0,
+            "compile_time_s": 0.0,
+        }
+        seqs: dict[str, list[str]] = defaultdict(list)
+        comm: list[dict[str, Any]] = []
+        has_comm = False
+        # Fusions by compile id: a forward graph's arrive before its compile event, a lazy backward's after it.
+        graph_of: dict[str, str] = {}
+        pending: dict[str, list[dict[str, Any]]] = defaultdict(list)
+        for e in events:
+            ev = e.get("ev")
+            if ev in ("comm_graph", "numerics"):
+                comm.append(e)
+                has_comm = has_comm or ev == "comm_graph"
+            elif ev == "compile":
+                comm.append({k: e.get(k) for k in ("ev", "compile_id", "file", "line", "function", "recompile_reason")})
+            if ev == "break":
+                self._add_break(rank, e)
+                info["frame_skips" if e["kind"] == "frame_skip" else "graph_breaks"] += 1
+            elif ev == "compile":
+                info["compile_time_s"] += float(e.get("time_s") or 0.0)
+                if e.get("recompile_reason"):
+                    info["recompiles"] += 1
+                    self._add_recompile(rank, e)
+                if e.get("has_graph"):
+                    info["graphs"] += 1
+                    gid = self._add_graph(rank, e)
+                    seqs[gid] += _sequence(e)
+                    graph_of[str(e.get("compile_id"))] = gid
+                    for f in pending.pop(str(e.get("compile_id")), ()):
+                        self._add_fusion(rank, gid, f)
+                else:
+                    pending.pop(str(e.get("compile_id")), None)
+            elif ev == "fusion":
+                cid = str(e.get("compile_id"))
+                if e.get("after_compile") and cid in graph_of:
+                    self._add_fusion(rank, graph_of[cid], e)
+                else:
+                    pending[cid].append(e)
+            elif ev == "start":
+                info["start"] = {k: e.get(k) for k in ("host", "node_rank", "local_rank")}
+                self._plugin = self._plugin or dict(e.get("plugin", {}))
+            elif ev == "end":
+                info["end"] = {"counters": e.get("counters", {})}
+            elif ev == "error":
+                info["error"] = info["error"] or e["message"]
+            elif ev == "numerics":
+                self._numerics[rank] = e
+            elif ev == "internal":
+                self._internal.append(f"rank {rank}: {e['message']}")
+        # Fusions still pending belong to a compile that never finished (no graph): left out.
+        for gid, seq in seqs.items():
+            self._graphs[gid]["seqs"][rank] = self._intern(seq)
+        self._ranks[rank] = info
+        if has_comm:
+            self._comm_events[rank] = comm
+
+    def _add_recompile(self, rank: int, e: dict[str, Any]) -> None:
+        reason = _CID_PREFIX.sub("", str(e["recompile_reason"])).strip()
+        rid = f"{e['file']}:{e['line']} {e['function']} | {reason}"
+        g = self._recompiles.setdefault(rid, {"e": e, "reason": reason, "counts": defaultdict(int)})
+        g["counts"][rank] += 1
+        m = _RESUME.match(e.get("code_name", ""))
+        if m:
+            self._resume_recompiles[(e["file"], int(m.group(2)))] += 1
+
+    def _add_break(self, rank: int, e: dict[str, Any]) -> None:
+        stack = e["stack"]
+        idx = min(max(int(e.get("user_index", len(stack) - 1)), 0), len(stack) - 1)
+        file, line, function, _ = stack[idx]
+        bid = break_id(e["gb_type"], file, int(line), function)
+        g = self._breaks.setdefault(
+            bid, {"e": e, "idx": idx, "counts": defaultdict(int), "phases": set(), "kinds": set(), "wrappers": set()}
+        )
+        g["counts"][rank] += 1
+        g["phases"].add(e.get("phase", "forward"))
+        g["kinds"].add(e["kind"])
+        if e.get("wrapper"):
+            g["wrappers"].add(e["wrapper"])
+
+    def _add_fusion(self, rank: int, gid: str, f: dict[str, Any]) -> None:
+        key = (f["fusion"], f.get("kernel", ""), f.get("group_name", ""), int(f.get("nbytes", 0)), f.get("node", ""))
+        self._graphs[gid]["fusions"].setdefault((*key, f.get("phase", "forward")), set()).add(rank)
+
+    def _add_graph(self, rank: int, e: dict[str, Any]) -> str:
+        gid = graph_id(e)
+        g = self._graphs.setdefault(gid, {"e": e, "ops": {}, "colls": None, "seqs": {}, "time": 0.0, "fusions": {}})
+        g["ops"][rank] = int(e["op_count"])
+        if g["colls"] is None:
+            g["colls"] = (
+                tuple(sorted(e["collectives"].items())),
+                tuple(sorted(e["backward_collectives"].items())),
+            )
+        g["time"] = max(g["time"], float(e.get("time_s") or 0.0))
+        return gid
+
+    # ---- the report ---------------------------------------------------------------
+    def report(
+        self,
+        *,
+        target: str,
+        world_size: int,
+        backend: str,
+        statuses: dict[int, dict[str, Any]] | None = None,
+        errors: tuple[str, ...] = (),
+        torch_version: str | None = None,
+    ) -> AuditReport:
+        """The merged report.
+
+        ``statuses[rank]`` may give ``status`` (ok/error/died/timeout/stopped/missing),
+        ``error`` and ``log``; a rank without one is ``error`` when it recorded an
+        error, ``ok`` when it sent an ``end`` event, else ``died``.
+        """
+        statuses = {r: dict(s) for r, s in (statuses or {}).items()}
+        for r in range(world_size):
+            info = self._ranks.get(r, {})
+            st = statuses.setdefault(r, {})
+            if "status" not in st:
+                st["status"] = "error" if info.get("error") else ("ok" if info.get("end") else "died")
+            if not st.get("error") and info.get("error"):
+                st["error"] = info["error"]
+        ok = {r for r, s in statuses.items() if s.get("status") == "ok"}
+        ref = ok or set(self._ranks)
+        multi = len(ref) > 1
+        recompiles = self._recompile_records(ref, multi)
+        breaks = self._break_records(ref, multi)
+        graphs = self._graph_records(ref, multi)
+        risky = {(g.file, g.function) for g in graphs if g.hang_risk}
+        if risky:
+            # A rank-divergent break or recompile in code whose graphs' collectives differ is where the risk comes from.
+            breaks = [
+                dataclasses.replace(b, hang_risk=True)
+                if b.divergent and any((f.file, f.function) in risky for f in b.stack)
+                else b
+                for b in breaks
+            ]
+            recompiles = tuple(
+                dataclasses.replace(r, hang_risk=True) if r.divergent and (r.file, r.function) in risky else r
+                for r in recompiles
+            )
+        ranks = tuple(self._rank_summary(r, statuses[r]) for r in range(world_size))
+        from .comm_merge import merge_comm
+
+        return AuditReport(
+            target=target,
+            world_size=world_size,
+            backend=backend,
+            torch_version=torch_version or torch.__version__,
+            plugin=self._plugin or {"installed": False, "version": "", "error": "no rank started"},
+            graph_breaks=tuple(breaks),
+            graphs=tuple(graphs),
+            recompiles=recompiles,
+            ranks=ranks,
+            errors=tuple(errors) + tuple(self._internal),
+            numerics=_numerics(self._numerics),
+            comm=merge_comm(self._comm_events, ref, graph_id),
+        )
+
+    def _recompile_records(self, ref: set[int], multi: bool) -> tuple[Recompile, ...]:
+        out = (
+            Recompile(
+                id=rid,
+                function=g["e"]["function"],
+                file=g["e"]["file"],
+                line=int(g["e"]["line"]),
+                reason=g["reason"],
+                ranks=tuple(sorted(g["counts"])),
+                count_by_rank=tuple(sorted(g["counts"].items())),
+                hang_risk=False,
+                divergent=multi and _divergent(g["counts"], ref),
+            )
+            for rid, g in self._recompiles.items()
+        )
+        return tuple(sorted(out, key=lambda r: (-r.count, r.id)))
+
+    def _break_records(self, ref: set[int], multi: bool) -> list[GraphBreak]:
+        breaks = []
+        for bid, g in self._breaks.items():
+            e, idx = g["e"], g["idx"]
+            frames = tuple(Frame(str(f[0]), int(f[1]), str(f[2]), str(f[3])) for f in e["stack"])
+            user = frames[idx]
+            counts = dict(g["counts"])
+            caused = sum(
+                n
+                for (file, line), n in self._resume_recompiles.items()
+                if any(f.file == file and f.line == line for f in frames)
+            )
+            occurrences = sum(counts.values())
+            text = "\n".join(
+                [
+                    e.get("context", ""),
+                    e.get("explanation", ""),
+                    e.get("reason", ""),
+                    *(f"{f.file} {f.source}" for f in frames),
+                ]
+            )
+            breaks.append(
+                GraphBreak(
+                    id=bid,
+                    kind="frame_skip" if "frame_skip" in g["kinds"] else "graph_break",
+                    gb_type=e["gb_type"],
+                    wrapper=", ".join(sorted(g["wrappers"])),
+                    file=user.file,
+                    line=user.line,
+                    function=user.function,
+                    source=user.source,
+                    reason=e.get("reason", ""),
+                    explanation=e.get("explanation", ""),
+                    hints=tuple(e.get("hints", ())),
+                    fix=fix_for(e["gb_type"], text, e.get("hints", ()), bool(e["distributed"])),
+                    distributed=bool(e["distributed"]),
+                    phase=_phase(g["phases"]),
+                    ranks=tuple(sorted(counts)),
+                    count_by_rank=tuple(sorted(counts.items())),
+                    stack=frames,
+                    snippet=_snippet(e.get("abs_file", user.file), user.line),
+                    recompiles_caused=caused,
+                    hang_risk=False,
+                    divergent=multi and _divergent(counts, ref),
+                    impact=occurrences * len(counts) + occurrences + 2 * caused,
+                )
+            )
+        breaks.sort(key=lambda b: (-b.impact, not b.distributed, b.id))
+        return breaks
+
+    def _graph_records(self, ref: set[int], multi: bool) -> list[Graph]:
+        graphs = []
+        for gid, g in self._graphs.items():
+            e = g["e"]
+            seqs = g["seqs"]
+            present = set(g["ops"])
+            divergent = multi and (len(set(g["ops"].values())) > 1 or not ref <= present)
+            # Ranks lacking the graph issue none of its collectives.
+            ref_seqs = {seqs.get(r, ()) for r in ref}
+            graphs.append(
+                Graph(
+                    id=gid,
+                    function=e["function"],
+                    file=e["file"],
+                    line=int(e["line"]),
+                    phase=e.get("phase", "forward"),
+                    ranks=tuple(sorted(g["ops"])),
+                    op_count_by_rank=tuple(sorted(g["ops"].items())),
+                    collectives=g["colls"][0],
+                    backward_collectives=g["colls"][1],
+                    compile_time_s=round(g["time"], 4),
+                    hang_risk=multi and len(ref_seqs) > 1,
+                    divergent=divergent,
+                    collective_sequence_by_rank=tuple(sorted({**dict.fromkeys(ref, ()), **seqs}.items())),
+                    fusions=tuple(Fusion(*k, ranks=tuple(sorted(rs))) for k, rs in g["fusions"].items()),
+                )
+            )
+        return graphs
+
+    def _rank_summary(self, r: int, st: dict[str, Any]) -> RankSummary:
+        info = self._ranks.get(r, {})
+        start = info.get("start", {})
+        end = info.get("end")
+        counters = (end or {}).get("counters", {})
+        return RankSummary(
+            rank=r,
+            status=st["status"],
+            error=st.get("error", "") or "",
+            graph_breaks=info.get("graph_breaks", 0),
+            frame_skips=info.get("frame_skips", 0),
+            graphs=info.get("graphs", 0),
+            recompiles=info.get("recompiles", 0),
+            compile_time_s=round(info.get("compile_time_s", 0.0), 4),
+            dynamo_graph_breaks=counters.get("graph_break") if counters else None,
+            dynamo_missed=int(counters.get("graph_break_missed", 0) or 0),
+            dynamo_unique_graphs=counters.get("unique_graphs") if counters else None,
+            log=st.get("log", "") or "",
+            host=str(st.get("host") or start.get("host") or ""),
+            node_rank=st.get("node_rank", start.get("node_rank")),
+            local_rank=start.get("local_rank"),
+        )
 
 
 def merge(
@@ -70,228 +387,19 @@ def merge(
     statuses: dict[int, dict[str, Any]] | None = None,
     errors: tuple[str, ...] = (),
 ) -> AuditReport:
-    """One report from every rank's events.
+    """One report from every rank's events (in memory; :class:`Merger` for streams).
 
     ``statuses[rank]`` may give ``status`` (ok/error/died/timeout), ``error`` and
     ``log``; a rank without one is ``ok`` when it sent an ``end`` event, else
     ``died``.
     """
-    statuses = dict(statuses or {})
-    for r in range(world_size):
-        evs = events_by_rank.get(r, [])
-        st = statuses.setdefault(r, {})
-        if "status" not in st:
-            err = next((e for e in evs if e["ev"] == "error"), None)
-            ended = any(e["ev"] == "end" for e in evs)
-            st["status"] = "error" if err else ("ok" if ended else "died")
-        if not st.get("error"):
-            err = next((e for e in evs if e["ev"] == "error"), None)
-            if err:
-                st["error"] = err["message"]
-    ref = _reference_ranks(events_by_rank, statuses)
-    multi = len(ref) > 1
-
-    # ---- recompiles (needed first: breaks count the recompiles they cause) ----
-    rec_groups: dict[str, dict[str, Any]] = {}
-    resume_recompiles: dict[tuple[str, int], int] = defaultdict(int)
+    m = Merger()
     for rank, evs in sorted(events_by_rank.items()):
-        for e in evs:
-            if e["ev"] != "compile" or not e.get("recompile_reason"):
-                continue
-            reason = _CID_PREFIX.sub("", str(e["recompile_reason"])).strip()
-            rid = f"{e['file']}:{e['line']} {e['function']} | {reason}"
-            g = rec_groups.setdefault(rid, {"e": e, "reason": reason, "counts": defaultdict(int)})
-            g["counts"][rank] += 1
-            m = _RESUME.match(e.get("code_name", ""))
-            if m:
-                resume_recompiles[(e["file"], int(m.group(2)))] += 1
-    recompiles = tuple(
-        Recompile(
-            id=rid,
-            function=g["e"]["function"],
-            file=g["e"]["file"],
-            line=int(g["e"]["line"]),
-            reason=g["reason"],
-            ranks=tuple(sorted(g["counts"])),
-            count_by_rank=tuple(sorted(g["counts"].items())),
-            hang_risk=False,
-            divergent=multi and _divergent(g["counts"], ref),
-        )
-        for rid, g in rec_groups.items()
-    )
-    recompiles = tuple(sorted(recompiles, key=lambda r: (-r.count, r.id)))
-
-    # ---- graph breaks ---------------------------------------------------------------
-    groups: dict[str, dict[str, Any]] = {}
-    for rank, evs in sorted(events_by_rank.items()):
-        for e in evs:
-            if e["ev"] != "break":
-                continue
-            stack = e["stack"]
-            idx = min(max(int(e.get("user_index", len(stack) - 1)), 0), len(stack) - 1)
-            file, line, function, _ = stack[idx]
-            bid = break_id(e["gb_type"], file, int(line), function)
-            g = groups.setdefault(
-                bid,
-                {"e": e, "idx": idx, "counts": defaultdict(int), "phases": set(), "kinds": set(), "wrappers": set()},
-            )
-            g["counts"][rank] += 1
-            g["phases"].add(e.get("phase", "forward"))
-            g["kinds"].add(e["kind"])
-            if e.get("wrapper"):
-                g["wrappers"].add(e["wrapper"])
-    breaks = []
-    for bid, g in groups.items():
-        e, idx = g["e"], g["idx"]
-        frames = tuple(Frame(str(f[0]), int(f[1]), str(f[2]), str(f[3])) for f in e["stack"])
-        user = frames[idx]
-        counts = dict(g["counts"])
-        caused = sum(
-            n for (file, line), n in resume_recompiles.items() if any(f.file == file and f.line == line for f in frames)
-        )
-        occurrences = sum(counts.values())
-        text = "\n".join(
-            [
-                e.get("context", ""),
-                e.get("explanation", ""),
-                e.get("reason", ""),
-                *(f"{f.file} {f.source}" for f in frames),
-            ]
-        )
-        breaks.append(
-            GraphBreak(
-                id=bid,
-                kind="frame_skip" if "frame_skip" in g["kinds"] else "graph_break",
-                gb_type=e["gb_type"],
-                wrapper=", ".join(sorted(g["wrappers"])),
-                file=user.file,
-                line=user.line,
-                function=user.function,
-                source=user.source,
-                reason=e.get("reason", ""),
-                explanation=e.get("explanation", ""),
-                hints=tuple(e.get("hints", ())),
-                fix=fix_for(e["gb_type"], text, e.get("hints", ()), bool(e["distributed"])),
-                distributed=bool(e["distributed"]),
-                phase=_phase(g["phases"]),
-                ranks=tuple(sorted(counts)),
-                count_by_rank=tuple(sorted(counts.items())),
-                stack=frames,
-                snippet=_snippet(e.get("abs_file", user.file), user.line),
-                recompiles_caused=caused,
-                hang_risk=False,
-                divergent=multi and _divergent(counts, ref),
-                impact=occurrences * len(counts) + occurrences + 2 * caused,
-            )
-        )
-    breaks.sort(key=lambda b: (-b.impact, not b.distributed, b.id))
-
-    # ---- graphs (NOTE [graph identity]) -------------------------------------------------
-    ggroups: dict[str, dict[str, Any]] = {}
-    for rank, evs in sorted(events_by_rank.items()):
-        for e in evs:
-            if e["ev"] != "compile" or not e.get("has_graph"):
-                continue
-            gid = graph_id(e)
-            g = ggroups.setdefault(gid, {"e": e, "ops": {}, "colls": {}, "seqs": defaultdict(list), "time": 0.0})
-            g["ops"][rank] = int(e["op_count"])
-            g["colls"].setdefault(
-                rank,
-                (tuple(sorted(e["collectives"].items())), tuple(sorted(e["backward_collectives"].items()))),
-            )
-            g["seqs"][rank] += _sequence(e)
-            g["time"] = max(g["time"], float(e.get("time_s") or 0.0))
-    graphs = []
-    for gid, g in ggroups.items():
-        e = g["e"]
-        colls = next(iter(g["colls"].values()))
-        seqs = {r: tuple(s) for r, s in g["seqs"].items()}
-        present = set(g["ops"])
-        divergent = multi and (len(set(g["ops"].values())) > 1 or not ref <= present)
-        # Ranks lacking the graph issue none of its collectives.
-        ref_seqs = {seqs.get(r, ()) for r in ref}
-        graphs.append(
-            Graph(
-                id=gid,
-                function=e["function"],
-                file=e["file"],
-                line=int(e["line"]),
-                phase=e.get("phase", "forward"),
-                ranks=tuple(sorted(g["ops"])),
-                op_count_by_rank=tuple(sorted(g["ops"].items())),
-                collectives=colls[0],
-                backward_collectives=colls[1],
-                compile_time_s=round(g["time"], 4),
-                hang_risk=multi and len(ref_seqs) > 1,
-                divergent=divergent,
-                collective_sequence_by_rank=tuple(sorted({**dict.fromkeys(ref, ()), **seqs}.items())),
-            )
-        )
-    risky = {(g.file, g.function) for g in graphs if g.hang_risk}
-    if risky:
-        # A rank-divergent break or recompile in code whose graphs' collectives differ is where the risk comes from.
-        breaks = [
-            dataclasses.replace(b, hang_risk=True)
-            if b.divergent and any((f.file, f.function) in risky for f in b.stack)
-            else b
-            for b in breaks
-        ]
-        recompiles = tuple(
-            dataclasses.replace(r, hang_risk=True) if r.divergent and (r.file, r.function) in risky else r
-            for r in recompiles
-        )
-
-    # ---- ranks ------------------------------------------------------------------
-    ranks = []
-    plugin: dict[str, Any] = {}
-    for r in range(world_size):
-        evs = events_by_rank.get(r, [])
-        start = next((e for e in evs if e["ev"] == "start"), {})
-        plugin = plugin or dict(start.get("plugin", {}))
-        end = next((e for e in evs if e["ev"] == "end"), None)
-        counters = (end or {}).get("counters", {})
-        st = statuses[r]
-        ranks.append(
-            RankSummary(
-                rank=r,
-                status=st["status"],
-                error=st.get("error", "") or "",
-                graph_breaks=sum(1 for e in evs if e["ev"] == "break" and e["kind"] == "graph_break"),
-                frame_skips=sum(1 for e in evs if e["ev"] == "break" and e["kind"] == "frame_skip"),
-                graphs=sum(1 for e in evs if e["ev"] == "compile" and e.get("has_graph")),
-                recompiles=sum(1 for e in evs if e["ev"] == "compile" and e.get("recompile_reason")),
-                compile_time_s=round(sum(float(e.get("time_s") or 0.0) for e in evs if e["ev"] == "compile"), 4),
-                dynamo_graph_breaks=counters.get("graph_break") if end else None,
-                dynamo_missed=int(counters.get("graph_break_missed", 0) or 0),
-                dynamo_unique_graphs=counters.get("unique_graphs") if end else None,
-                log=st.get("log", "") or "",
-            )
-        )
-    numerics = _numerics(events_by_rank)
-    from .comm_merge import merge_comm
-
-    comm = merge_comm(events_by_rank, ref, graph_id)
-    internal = tuple(
-        f"rank {r}: {e['message']}" for r, evs in sorted(events_by_rank.items()) for e in evs if e["ev"] == "internal"
-    )
-    return AuditReport(
-        target=target,
-        world_size=world_size,
-        backend=backend,
-        torch_version=torch.__version__,
-        plugin=plugin or {"installed": False, "version": "", "error": "no rank started"},
-        graph_breaks=tuple(breaks),
-        graphs=tuple(graphs),
-        recompiles=recompiles,
-        ranks=tuple(ranks),
-        errors=tuple(errors) + internal,
-        numerics=numerics,
-        comm=comm,
-    )
+        m.add_rank(rank, evs)
+    return m.report(target=target, world_size=world_size, backend=backend, statuses=statuses, errors=errors)
 
 
-def _numerics(events_by_rank: dict[int, list[dict[str, Any]]]) -> Numerics | None:
-    per_rank = {r: e for r, evs in events_by_rank.items() for e in evs if e["ev"] == "numerics"}
+def _numerics(per_rank: dict[int, dict[str, Any]]) -> Numerics | None:
     if not per_rank:
         return None
     mismatches = sorted(

@@ -74,6 +74,37 @@ class GraphBreak:
 
 
 @dataclasses.dataclass(frozen=True)
+class Fusion:
+    """One fusion dynamo-ext's Inductor passes applied in a graph, merged over the ranks that applied it.
+
+    From the ``dynamo_ext_fusion`` structured-trace artifact (one per applied
+    fusion, see ``dynamo_ext/inductor_lowerings/decisions.py``).  ``fusion``: the
+    pass (``"residual_rms_norm"``); ``kernel``: what runs (``"one_shot"``,
+    ``"two_shot"`` or ``"epilogue"``); ``group``: the collective's process-group
+    name; ``nbytes``: the all-reduced bytes per rank; ``node``: the collective's FX
+    node; ``phase``: ``"forward"`` or ``"backward"`` (the graph Inductor compiled).
+    """
+
+    fusion: str
+    kernel: str
+    group: str
+    nbytes: int
+    node: str
+    phase: str
+    ranks: tuple[int, ...]
+
+    def __str__(self) -> str:
+        bwd = " (bwd)" if self.phase == "backward" else ""
+        return f"{self.fusion} ({self.kernel}) at {self.node}{bwd}, group {self.group}, {self.nbytes} B"
+
+    def describe(self, graph_ranks: tuple[int, ...]) -> str:
+        """``str(self)``, with the ranks when only some of the graph's ranks (``graph_ranks``) applied it."""
+        from .ranges import format_ranks
+
+        return str(self) if self.ranks == graph_ranks else f"{self} [ranks {format_ranks(self.ranks)}]"
+
+
+@dataclasses.dataclass(frozen=True)
 class Graph:
     """One compiled graph (a Dynamo frame compile that produced a graph), merged over ranks.
 
@@ -83,6 +114,8 @@ class Graph:
     different number of times or with different op counts.  ``hang_risk``: the
     ordered collectives it issues differ between ranks
     (``collective_sequence_by_rank``: forward names, then ``bwd:`` names).
+    ``fusions``: the fusions dynamo-ext's Inductor passes applied to it (forward
+    and backward graph), each distinct one once, in the order first seen.
     """
 
     id: str
@@ -98,6 +131,7 @@ class Graph:
     hang_risk: bool
     divergent: bool = False
     collective_sequence_by_rank: tuple[tuple[int, tuple[str, ...]], ...] = ()
+    fusions: tuple[Fusion, ...] = ()
 
     @property
     def op_count(self) -> int:
@@ -128,7 +162,12 @@ class RankSummary:
     """What one rank did: its status and its own totals.
 
     ``status`` is ``"ok"``, ``"error"`` (the target raised), ``"died"`` (the
-    process ended without saying why) or ``"timeout"``.  ``dynamo_graph_breaks``
+    process ended without saying why; a rank file cut short), ``"timeout"``,
+    ``"stopped"`` (ended by the launcher after another rank failed) or
+    ``"missing"`` (no rank file: ``audit merge`` expected it from the world
+    size).  ``host``/``node_rank``/``local_rank``: where the rank ran, from its
+    rank file's header (``""``/``None`` when unknown; for a missing rank the
+    host is inferred from its node's other ranks, if any).  ``dynamo_graph_breaks``
     is ``sum(torch._dynamo.utils.counters["graph_break"].values())`` read on the
     rank at the end (``None`` when the rank never got there); ``dynamo_missed``
     the breaks of ``graph_breaks`` that counter did not count (torch 2.13 does not
@@ -148,6 +187,9 @@ class RankSummary:
     dynamo_unique_graphs: int | None
     log: str
     dynamo_missed: int = 0
+    host: str = ""
+    node_rank: int | None = None
+    local_rank: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -309,7 +351,9 @@ class AuditReport:
     ``plugin`` says whether dynamo-ext was installed on the ranks
     (``{"installed": bool, "version": str, "error": str}``).  ``stock`` is the
     run without the plugin when ``--compare-stock`` was given.  ``numerics`` is
-    the numerics check (``None`` when it did not run).
+    the numerics check (``None`` when it did not run).  ``notes``: what the
+    input could not say (a ``TORCH_TRACE`` directory has no exit statuses,
+    numerics or plugin state: :mod:`.trace_reader`).
     """
 
     target: str
@@ -325,6 +369,7 @@ class AuditReport:
     stock: AuditReport | None = None
     numerics: Numerics | None = None
     comm: Comm | None = None
+    notes: tuple[str, ...] = ()
 
     # ---- totals (what the CI gate compares) ------------------------------------
     @property
@@ -364,10 +409,9 @@ class AuditReport:
 
 def _distinct_seqs(g: Graph) -> list[tuple[str, tuple[str, ...]]]:
     """Ranks grouped by collective sequence (ranks lacking the graph show as ``[]`` when others have it)."""
-    by_seq: dict[tuple[str, ...], list[int]] = {}
-    for r, seq in g.collective_sequence_by_rank:
-        by_seq.setdefault(tuple(seq), []).append(r)
-    return [(",".join(map(str, rs)), seq) for seq, rs in by_seq.items()]
+    from .ranges import format_ranks, group_by
+
+    return [(format_ranks(rs), seq) for seq, rs in group_by(g.collective_sequence_by_rank)]
 
 
 def _to_plain(report: AuditReport) -> dict[str, Any]:
@@ -445,6 +489,7 @@ def report_from_json(data: dict[str, Any]) -> AuditReport:
                 "collective_sequence_by_rank": tuple(
                     (int(r), tuple(seq)) for r, seq in g.get("collective_sequence_by_rank", ())
                 ),
+                "fusions": tuple(Fusion(**{**f, "ranks": tuple(f["ranks"])}) for f in g.get("fusions", ())),
             }
         )
         for g in data.get("graphs", [])
@@ -485,6 +530,7 @@ def report_from_json(data: dict[str, Any]) -> AuditReport:
         errors=tuple(data.get("errors", [])),
         stock=None if stock is None else report_from_json(stock),
         numerics=numerics,
+        notes=tuple(data.get("notes", ())),
     )
 
 

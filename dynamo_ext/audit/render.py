@@ -9,22 +9,20 @@ from rich.console import Console, Group
 from rich.table import Table
 from rich.text import Text
 
-from .records import AuditReport, GraphBreak
+from .ranges import format_counts, format_ranks, group_by
+from .records import AuditReport, GraphBreak, RankSummary
 
 _NONE = "-"
 
 
 def _ranks(ranks: tuple[int, ...], world: int) -> str:
-    if world and tuple(ranks) == tuple(range(world)):
-        return "all"
-    return ",".join(map(str, ranks))
+    return format_ranks(ranks, world_size=world)
 
 
-def _counts(b: GraphBreak | None) -> str:
+def _counts(b: GraphBreak | None, world: int = 0) -> str:
     if b is None:
         return _NONE
-    ns = {n for _, n in b.count_by_rank}
-    return str(next(iter(ns))) + "/rank" if len(ns) == 1 else " ".join(f"r{r}:{n}" for r, n in b.count_by_rank)
+    return format_counts(b.count_by_rank, world_size=world)
 
 
 def _summary(report: AuditReport) -> Table:
@@ -85,7 +83,10 @@ def _breaks(report: AuditReport) -> Table | Text:
         fix = b.fix or (b.hints[0] if b.hints else "")
         if fix:
             what.append(f"\nfix: {fix}")
-        counts = [_counts(stock.get(bid)), _counts(mine.get(bid))] if report.stock is not None else [_counts(b)]
+        w = report.world_size
+        counts = (
+            [_counts(stock.get(bid), w), _counts(mine.get(bid), w)] if report.stock is not None else [_counts(b, w)]
+        )
         t.add_row(str(n), str(b.impact), where, what, _ranks(b.ranks, report.world_size), *counts, b.phase)
     return t
 
@@ -116,6 +117,9 @@ def _graphs(report: AuditReport) -> Table | None:
     t.add_column("ops", justify="right")
     t.add_column("collectives fwd / bwd", overflow="fold")
     t.add_column("ranks")
+    fusions = any(g.fusions for g in report.graphs)
+    if fusions:
+        t.add_column("fusions applied", overflow="fold")
     for g in report.graphs:
         colls = ", ".join(f"{k}x{v}" for k, v in g.collectives) or _NONE
         bcolls = ", ".join(f"{k}x{v}" for k, v in g.backward_collectives) or _NONE
@@ -123,34 +127,57 @@ def _graphs(report: AuditReport) -> Table | None:
         label = Text(g.id)
         if g.hang_risk:
             label.append("  [HANG RISK]", style="bold red")
-        t.add_row(label, g.phase, ops, f"{colls} / {bcolls}", _ranks(g.ranks, report.world_size))
+        row = [label, g.phase, ops, f"{colls} / {bcolls}", _ranks(g.ranks, report.world_size)]
+        if fusions:
+            row.append(Text("\n".join(f.describe(g.ranks) for f in g.fusions) or _NONE))  # Text: no markup
+        t.add_row(*row)
     return t
 
 
+def _counter_check(r: RankSummary) -> str:
+    if r.dynamo_graph_breaks is None:
+        return _NONE
+    if r.dynamo_graph_breaks + r.dynamo_missed == r.graph_breaks:
+        return "ok" if not r.dynamo_missed else f"ok (Dynamo missed {r.dynamo_missed})"
+    return f"MISMATCH ({r.dynamo_graph_breaks})"
+
+
+def _hosts(rows: list[RankSummary]) -> str:
+    hosts = sorted({r.host for r in rows if r.host})
+    nodes = sorted({r.node_rank for r in rows if r.node_rank is not None})
+    node = f" (node {nodes[0]})" if len(nodes) == 1 else (f" ({len(nodes)} nodes)" if nodes else "")
+    if not hosts:
+        return "?" + node
+    return (hosts[0] if len(hosts) == 1 else f"{len(hosts)} hosts") + node
+
+
 def _ranks_table(report: AuditReport) -> Table:
+    """One row per group of ranks that did the same (ranges), so the outliers stand out by rank and host."""
     t = Table(title="Ranks", box=box.SIMPLE_HEAVY, title_justify="left")
-    for c in ("rank", "status", "breaks", "skips", "graphs", "recompiles", "compile s", "counters"):
-        t.add_column(c)
-    for r in report.ranks:
-        check = (
-            _NONE
-            if r.dynamo_graph_breaks is None
-            else (
-                ("ok" if not r.dynamo_missed else f"ok (Dynamo missed {r.dynamo_missed})")
-                if r.dynamo_graph_breaks + r.dynamo_missed == r.graph_breaks
-                else f"MISMATCH ({r.dynamo_graph_breaks})"
-            )
-        )
-        status = Text(r.status, style="green" if r.status == "ok" else "bold red")
+    for c in ("rank", "host", "status", "breaks", "skips", "graphs", "recompiles", "compile s", "counters"):
+        t.add_column(c, overflow="fold")
+    by_rank = {r.rank: r for r in report.ranks}
+
+    def key(r: RankSummary) -> tuple:
+        # Hosts are not part of the key: 1,000 ranks on 125 hosts that agree are one row.
+        return (r.status, r.error, r.graph_breaks, r.frame_skips, r.graphs, r.recompiles, _counter_check(r))
+
+    for k, ranks in group_by((r.rank, key(r)) for r in report.ranks):
+        rows = [by_rank[x] for x in ranks]
+        first = rows[0]
+        status = Text(first.status, style="green" if first.status == "ok" else "bold red")
+        if first.error:
+            status.append(f": {first.error}", style="red")
         t.add_row(
-            str(r.rank),
+            format_ranks(ranks),
+            _hosts(rows),
             status,
-            str(r.graph_breaks),
-            str(r.frame_skips),
-            str(r.graphs),
-            str(r.recompiles),
-            f"{r.compile_time_s:.2f}",
-            check,
+            str(first.graph_breaks),
+            str(first.frame_skips),
+            str(first.graphs),
+            str(first.recompiles),
+            f"{max(r.compile_time_s for r in rows):.2f}",
+            k[-1],
         )
     return t
 
@@ -166,6 +193,8 @@ def renderables(report: AuditReport) -> Group:
     )
     if plugin.get("error"):
         head.append(f"\nplugin: {plugin['error']}", style="yellow")
+    for note in report.notes:
+        head.append(f"\nnote: {note}", style="yellow")
     parts: list = [head, _summary(report), _breaks(report)]
     for extra in (_recompiles(report), _graphs(report)):
         if extra is not None:

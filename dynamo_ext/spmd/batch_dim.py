@@ -23,13 +23,14 @@ naming the node.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.fx
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.experimental import implicit_replication
 
 from .. import _compat
@@ -58,29 +59,58 @@ class _CollectiveRecorder(_compat.torch_dispatch_mode_base()):
 
 
 class _LayoutInterpreter(torch.fx.Interpreter):
-    def __init__(self, gm: torch.fx.GraphModule, mesh: Any) -> None:
+    def __init__(self, gm: torch.fx.GraphModule, mesh: Any, allow_reductions: bool = False) -> None:
         super().__init__(gm)
         self.mesh = mesh
         self.layouts: dict[str, Any] = {}
+        self.allow_reductions = allow_reductions
+        self.reduce_before: dict[str, list[str]] = {}
+        self.local_reads: dict[str, list[str]] = {}
 
-    def run_node(self, n: torch.fx.Node) -> Any:
+    def _try(self, n: torch.fx.Node) -> tuple[Any, list[str], RuntimeError | None]:
         with _CollectiveRecorder() as recorder:
             try:
-                out = super().run_node(n)
+                return super().run_node(n), recorder.collectives, None
             except RuntimeError as e:  # DTensor has no rule that keeps the batch sharding here
-                first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-                raise ValueError(
-                    f"the batch dim of node {n.name!r} ({n.format_node()}) cannot be inferred: DTensor cannot "
-                    f"follow the batch sharding through it ({first_line})"
-                ) from e
-        if recorder.collectives:
-            raise ValueError(
-                f"the batch dim of node {n.name!r} ({n.format_node()}) cannot be inferred: with the inputs sharded on "
-                f"their batch dims, computing it needs communication ({', '.join(recorder.collectives)}), so it "
-                "mixes samples of the batch. "
-                "Move this computation out of the data-parallel step, or give the input it comes from no batch dim."
+                return None, recorder.collectives, e
+
+    def _cannot_infer(self, n: torch.fx.Node, collectives: list[str], error: RuntimeError | None) -> ValueError:
+        if error is not None:
+            first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+            return ValueError(
+                f"the batch dim of node {n.name!r} ({n.format_node()}) cannot be inferred: DTensor cannot "
+                f"follow the batch sharding through it ({first_line})"
             )
+        return ValueError(
+            f"the batch dim of node {n.name!r} ({n.format_node()}) cannot be inferred: with the inputs sharded on "
+            f"their batch dims, computing it needs communication ({', '.join(collectives)}), so it "
+            "mixes samples of the batch. "
+            "Move this computation out of the data-parallel step, or give the input it comes from no batch dim."
+        )
+
+    def run_node(self, n: torch.fx.Node) -> Any:
+        out, collectives, error = self._try(n)
+        if error is not None or collectives:
+            out = self._with_reduced_inputs(n, collectives, error)
         self.layouts[n.name] = _layout(out, self.mesh)
+        return out
+
+    def _with_reduced_inputs(self, n: torch.fx.Node, collectives: list[str], error: RuntimeError | None) -> Any:
+        """NOTE [reduction edges]: retry ``n`` with its Partial inputs all-reduced; record them if that suffices."""
+        partial = [a for a in n.all_input_nodes if isinstance(self.layouts.get(a.name), Partial)]
+        if not self.allow_reductions or not partial:
+            raise self._cannot_infer(n, collectives, error) from error
+        sharded = [a.name for a in n.all_input_nodes if isinstance(self.layouts.get(a.name), Shard)]
+        saved = {a: self.env[a] for a in partial}
+        try:
+            for a in partial:
+                self.env[a] = saved[a].redistribute(self.mesh, [Replicate()])
+            out, again, error2 = self._try(n)
+        finally:
+            self.env.update(saved)
+        if error2 is not None or again:
+            raise self._cannot_infer(n, again, error2) from error2
+        (self.local_reads if sharded else self.reduce_before)[n.name] = [a.name for a in partial]
         return out
 
 
@@ -119,6 +149,54 @@ def analyze_batch_dims(
             placeholders differ; a batch dim is out of range; a node has no
             data-parallel layout (the message names it).
     """
+    return _interpret(gm, example_inputs, input_batch_dims, mesh, allow_reductions=False).layouts
+
+
+@dataclasses.dataclass
+class StepLayouts:
+    """The layouts of a training step's nodes and where its reductions over the batch are consumed."""
+
+    layouts: dict[str, Any]
+    """As :func:`analyze_batch_dims` returns them."""
+    reduce_before: dict[str, list[str]]
+    """Node name to the names of its inputs that are Partial and must be all-reduced before it runs."""
+    local_reads: dict[str, list[str]]
+    """Node name to the names of its Partial inputs it reads as each rank's local value (no all-reduce)."""
+
+
+def analyze_step(
+    gm: torch.fx.GraphModule, example_inputs: Sequence[Any], input_batch_dims: Sequence[int | None], mesh: Any
+) -> StepLayouts:
+    """:func:`analyze_batch_dims` for a whole training step, optimizer update included.
+
+    NOTE [reduction edges]
+    A node that DTensor can only compute by all-reducing some of its inputs is
+    accepted when those inputs are Partial (reductions over the batch: a
+    gradient, a loss, a batch statistic); the node is computed again with those
+    inputs redistributed to Replicate, and the edges are recorded:
+
+    - if none of the node's inputs has a batch dim (the optimizer reading a
+      gradient), in :attr:`StepLayouts.reduce_before`: that is where a
+      data-parallel step all-reduces;
+    - otherwise (the sample count a mean loss's backward divides by,
+      BatchNorm's batch statistics in training), in
+      :attr:`StepLayouts.local_reads`: each rank uses its local value, as each
+      rank of ``DistributedDataParallel`` does; no collective.
+
+    Args and errors as :func:`analyze_batch_dims`.
+    """
+    interpreter = _interpret(gm, example_inputs, input_batch_dims, mesh, allow_reductions=True)
+    return StepLayouts(interpreter.layouts, interpreter.reduce_before, interpreter.local_reads)
+
+
+def _interpret(
+    gm: torch.fx.GraphModule,
+    example_inputs: Sequence[Any],
+    input_batch_dims: Sequence[int | None],
+    mesh: Any,
+    *,
+    allow_reductions: bool,
+) -> _LayoutInterpreter:
     if mesh.ndim != 1:
         raise ValueError(f"analyze_batch_dims needs a 1-D data-parallel mesh, got a {mesh.ndim}-D mesh {mesh}")
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
@@ -143,8 +221,10 @@ def analyze_batch_dims(
                 )
             placement = Replicate() if dim is None else Shard(dim % value.ndim)
             args.append(distribute_tensor(fake, mesh, [placement], src_data_rank=None))
-        interpreter = _LayoutInterpreter(gm, mesh)
-        with implicit_replication():  # constants of the graph are plain tensors: no batch dim
+        interpreter = _LayoutInterpreter(gm, mesh, allow_reductions)
+        # Constants of the graph are plain tensors: no batch dim.  The graph already holds its
+        # backward, and an optimizer's in-place update of a parameter is legal only without grad mode.
+        with implicit_replication(), torch.no_grad():
             interpreter.run(*args)
     log.debug("batch dims of %d nodes: %s", len(interpreter.layouts), interpreter.layouts)
-    return interpreter.layouts
+    return interpreter

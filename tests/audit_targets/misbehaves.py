@@ -1,9 +1,11 @@
 """Audit target that misbehaves on one rank, after a graph break every rank sees.
 
-Usage: misbehaves.py raise|die|hang  (rank 1 raises ValueError, exits with status 7 without a word, or sleeps)
+Usage: misbehaves.py raise|die|kill|hang  (rank 1 raises ValueError, exits with status 7 without a word, is killed
+by SIGKILL, or sleeps)
 """
 
 import os
+import signal
 import sys
 import time
 
@@ -27,6 +29,8 @@ def main():
             raise ValueError("rank 1 refuses")  # RAISE_LINE
         if mode == "die":
             os._exit(7)
+        if mode == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
         if mode == "hang":
             time.sleep(3600)
     dist.barrier()
