@@ -23,6 +23,8 @@ import warnings
 
 from rich.console import Console
 
+from .diff import add_gate_arguments, gate_from_arguments, read_gate_arguments
+
 logger = logging.getLogger(__name__)
 
 EXIT_OK, EXIT_GATE, EXIT_ERROR = 0, 1, 2
@@ -51,19 +53,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--no-plugin", action="store_true", help="run stock torch only (no dynamo-ext)")
     p.add_argument("--json", metavar="FILE", help="write the JSON report (schema: docs/audit.md)")
     p.add_argument("--html", metavar="FILE", help="write a single-file HTML report")
-    p.add_argument(
-        "--max-breaks", type=int, default=None, metavar="K", help="exit 1 when a rank has more than K breaks"
-    )
-    p.add_argument(
-        "--max-recompiles", type=int, default=None, metavar="K", help="exit 1 when a rank recompiles more than K times"
-    )
-    p.add_argument(
-        "--max-hang-risks",
-        type=int,
-        default=0,
-        metavar="K",
-        help="exit 1 when more than K graphs issue different collective sequences on different ranks (default 0)",
-    )
+    add_gate_arguments(p)
     p.add_argument(
         "--check-numerics",
         action=argparse.BooleanOptionalAction,
@@ -79,13 +69,6 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--atol", type=float, default=None, help="numerics tolerance (with --rtol)")
     p.add_argument(
-        "--comm-budget",
-        type=int,
-        default=None,
-        metavar="BYTES",
-        help="exit 1 when a rank sends more than BYTES per step in the compiled graphs' collectives",
-    )
-    p.add_argument(
         "--intra-node-bw",
         type=float,
         default=None,
@@ -99,7 +82,6 @@ def _parser() -> argparse.ArgumentParser:
         metavar="GBPS",
         help="inter-node bandwidth (GB/s) for the collectives' time estimates (default: comm_analysis's)",
     )
-    p.add_argument("--baseline", metavar="FILE", help="exit 1 on a graph break that this earlier --json report lacks")
     p.add_argument(
         "--timeout", type=float, default=300.0, metavar="S", help="kill the ranks after S seconds (default 300)"
     )
@@ -192,16 +174,9 @@ def _audit(argv: list[str]) -> int:
     check_numerics = args.check_numerics if args.check_numerics is not None else args.target is None
     if args.compare_stock and args.no_plugin:
         return fail("--compare-stock already runs without the plugin; drop --no-plugin")
-    baseline = None
-    if args.baseline:
-        from .records import load_report
-
-        try:
-            baseline = load_report(args.baseline)
-        except (OSError, ValueError) as e:
-            return fail(f"cannot read --baseline {args.baseline}: {e}")
-    if args.comm_budget is not None and args.comm_budget < 0:
-        return fail(f"--comm-budget must be a number of bytes >= 0, got {args.comm_budget}")
+    baseline, why = read_gate_arguments(args)
+    if why:
+        return fail(why)
     for flag, bw in (("--intra-node-bw", args.intra_node_bw), ("--inter-node-bw", args.inter_node_bw)):
         if bw is not None and not bw > 0:
             return fail(f"{flag} must be a positive bandwidth in GB/s, got {bw:g}")
@@ -215,7 +190,6 @@ def _audit(argv: list[str]) -> int:
     if why:
         return fail(why)
 
-    from .diff import gate
     from .launch import run_ranks
     from .render import print_report
 
@@ -254,14 +228,7 @@ def _audit(argv: list[str]) -> int:
         logs = sorted({r.log for r in report.ranks if r.log})
         suffix = f"; rank logs under {os.path.commonpath(logs)}" if logs else ""
         return fail(errors[0] + suffix)
-    problems = gate(
-        report,
-        max_breaks=args.max_breaks,
-        max_recompiles=args.max_recompiles,
-        baseline=baseline,
-        max_hang_risks=args.max_hang_risks,
-        max_comm_bytes=args.comm_budget,
-    )
+    problems = gate_from_arguments(report, args, baseline)
     for p in problems:
         err.print(f"dynamo-ext audit: gate: {p}", markup=False, soft_wrap=True)
     return EXIT_GATE if problems else EXIT_OK

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 
 from .records import AuditReport, GraphBreak
@@ -80,3 +81,54 @@ def gate(
         for b in diff_reports(baseline, report).new:
             problems.append(f"new graph break not in the baseline: {b.id}")
     return problems
+
+
+def add_gate_arguments(p: argparse.ArgumentParser) -> None:
+    """The gate's options, the same for ``dynamo-ext audit`` and ``dynamo-ext audit merge``."""
+    p.add_argument(
+        "--max-breaks", type=int, default=None, metavar="K", help="exit 1 when a rank has more than K breaks"
+    )
+    p.add_argument(
+        "--max-recompiles", type=int, default=None, metavar="K", help="exit 1 when a rank recompiles more than K times"
+    )
+    p.add_argument(
+        "--max-hang-risks",
+        type=int,
+        default=0,
+        metavar="K",
+        help="exit 1 when more than K graphs issue different collective sequences on different ranks (default 0)",
+    )
+    p.add_argument("--baseline", metavar="FILE", help="exit 1 on a graph break that this earlier --json report lacks")
+    p.add_argument(
+        "--comm-budget",
+        type=int,
+        default=None,
+        metavar="BYTES",
+        help="exit 1 when a rank sends more than BYTES per step in the compiled graphs' collectives",
+    )
+
+
+def read_gate_arguments(args: argparse.Namespace) -> tuple[AuditReport | None, str | None]:
+    """``(baseline report or None, None)``, or ``(None, why)`` when ``--baseline``/``--comm-budget`` is bad."""
+    if args.comm_budget is not None and args.comm_budget < 0:
+        return None, f"--comm-budget must be a number of bytes >= 0, got {args.comm_budget}"
+    if not args.baseline:
+        return None, None
+    from .records import load_report
+
+    try:
+        return load_report(args.baseline), None
+    except (OSError, ValueError) as e:
+        return None, f"cannot read --baseline {args.baseline}: {e}"
+
+
+def gate_from_arguments(report: AuditReport, args: argparse.Namespace, baseline: AuditReport | None) -> list[str]:
+    """:func:`gate` with the limits of :func:`add_gate_arguments`."""
+    return gate(
+        report,
+        max_breaks=args.max_breaks,
+        max_recompiles=args.max_recompiles,
+        baseline=baseline,
+        max_hang_risks=args.max_hang_risks,
+        max_comm_bytes=args.comm_budget,
+    )

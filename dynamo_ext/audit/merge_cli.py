@@ -18,6 +18,8 @@ import sys
 
 from rich.console import Console
 
+from .diff import add_gate_arguments, gate_from_arguments, read_gate_arguments
+
 EXIT_OK, EXIT_GATE, EXIT_ERROR = 0, 1, 2
 
 
@@ -34,17 +36,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("directory", metavar="DIR", help="the --out directory of the collect runs, or a TORCH_TRACE dir")
     p.add_argument("--json", metavar="FILE", help="write the JSON report (schema: docs/audit.md)")
     p.add_argument("--html", metavar="FILE", help="write a single-file HTML report")
-    p.add_argument("--max-breaks", type=int, default=None, metavar="K", help="exit 1 when a rank has more than K")
-    p.add_argument("--max-recompiles", type=int, default=None, metavar="K", help="exit 1 past K recompiles a rank")
-    p.add_argument("--max-hang-risks", type=int, default=0, metavar="K", help="exit 1 past K hang risks (default 0)")
-    p.add_argument("--baseline", metavar="FILE", help="exit 1 on a graph break that this earlier --json report lacks")
-    p.add_argument(
-        "--comm-budget",
-        type=int,
-        default=None,
-        metavar="BYTES",
-        help="exit 1 when a rank sends more than BYTES per step in the compiled graphs' collectives",
-    )
+    add_gate_arguments(p)
     p.add_argument(
         "--world-size", type=int, default=None, metavar="N", help="ranks expected (default: from the rank files)"
     )
@@ -63,20 +55,13 @@ def main(argv: list[str]) -> int:
 
     if args.world_size is not None and args.world_size < 1:
         return fail(f"--world-size must be at least 1, got {args.world_size}")
-    if args.comm_budget is not None and args.comm_budget < 0:
-        return fail(f"--comm-budget must be a number of bytes >= 0, got {args.comm_budget}")
     from .cli import _write
-    from .diff import gate
     from .rank_files import incomplete_ranks, merge_dir
-    from .records import load_report
     from .render import print_report
 
-    baseline = None
-    if args.baseline:
-        try:
-            baseline = load_report(args.baseline)
-        except (OSError, ValueError) as e:
-            return fail(f"cannot read --baseline {args.baseline}: {e}")
+    baseline, why = read_gate_arguments(args)
+    if why:
+        return fail(why)
     try:
         report = merge_dir(args.directory, world_size=args.world_size)
     except (OSError, ValueError) as e:
@@ -85,14 +70,7 @@ def main(argv: list[str]) -> int:
     if not args.quiet:
         print_report(report)
     problems = [*report.errors, *incomplete_ranks(report)]
-    problems += gate(
-        report,
-        max_breaks=args.max_breaks,
-        max_recompiles=args.max_recompiles,
-        baseline=baseline,
-        max_hang_risks=args.max_hang_risks,
-        max_comm_bytes=args.comm_budget,
-    )
+    problems += gate_from_arguments(report, args, baseline)
     for p in problems:
         err.print(f"dynamo-ext audit merge: gate: {p}", markup=False, soft_wrap=True)
     return EXIT_GATE if problems else EXIT_OK
