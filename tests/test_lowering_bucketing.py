@@ -450,3 +450,24 @@ def test_plan_is_the_same_whether_or_not_a_rank_slices_its_shard():
     short.recompile()
     got = _SimulatedWorld(short, 1, 4).run(*real)
     assert all(torch.equal(o, e) for o, e in zip(got, expected))
+
+
+def test_pass_uuids_cover_every_lowering_and_kernel_file(monkeypatch):
+    """NOTE [pass identity covers the lowerings]: Inductor's cache key changes when a lowering or kernel does."""
+    import os
+
+    from dynamo_ext.inductor_lowerings import _compat as lowering_compat
+    from dynamo_ext.inductor_lowerings import bucketing, registry, rms_norm_fusion, rms_norm_lowering
+    from dynamo_ext.inductor_lowerings.kernels import one_shot_all_reduce_rms_norm
+
+    files = registry.package_sources()
+    for module in (rms_norm_lowering, one_shot_all_reduce_rms_norm, bucketing, rms_norm_fusion):
+        assert os.path.realpath(module.__file__) in files
+    hashed = []
+    real = lowering_compat.hash_for_files
+    monkeypatch.setattr(
+        lowering_compat, "hash_for_files", lambda paths, extra="": hashed.append(paths) or real(paths, extra)
+    )
+    bucketing.AllReduceBucketingPass().uuid()
+    rms_norm_fusion.ResidualRMSNormPass().uuid()
+    assert hashed == [files, files]

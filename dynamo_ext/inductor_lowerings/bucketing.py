@@ -73,6 +73,7 @@ import torch.utils._pytree as pytree
 
 from . import _compat
 from .options import options
+from .registry import package_sources
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -385,4 +386,6 @@ class AllReduceBucketingPass(_compat.custom_graph_pass_base()):  # type: ignore[
         bucket_collectives(graph)
 
     def uuid(self) -> Any:
-        return _compat.hash_for_files((__file__,), extra=options.cache_key())
+        return _compat.hash_for_files(
+            package_sources(), extra=options.cache_key()
+        )  # NOTE [pass identity covers the lowerings]

@@ -41,6 +41,7 @@ import torch.fx
 
 from . import _compat, decisions, ops
 from .options import options
+from .registry import package_sources
 
 log = logging.getLogger(__name__)
 FUSION = "residual_rms_norm"
@@ -445,6 +446,6 @@ class ResidualRMSNormPass(_compat.custom_graph_pass_base()):  # type: ignore[mis
         fuse_residual_rms_norm(graph)
 
     def uuid(self) -> Any:
-        return _compat.hash_for_files(
-            (__file__, ops.__file__), extra=options.cache_key() + _compat.symm_mem_state_key()
+        return _compat.hash_for_files(  # NOTE [pass identity covers the lowerings]
+            package_sources(), extra=options.cache_key() + _compat.symm_mem_state_key()
         )
