@@ -27,7 +27,6 @@ import argparse
 import datetime
 import math
 import os
-import socket
 import statistics
 import sys
 import time
@@ -38,6 +37,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from _common import free_port, timed_corpus_cases
 
 CORPUS = Path(__file__).resolve().parents[2] / "shared" / "corpus"
 
@@ -102,13 +102,7 @@ def _rank(rank, world, port, a):
     import cases_public  # noqa: F401  (registers the cases)
 
     rows = []
-    for name, c in corpus.CASES.items():
-        if a.k and a.k not in name and not any(a.k in t for t in c.tags):
-            continue
-        if c.compiled_autograd or c.expect_error:
-            continue
-        made = c.factory(env)
-        fn, args = made[0], made[1]
+    for name, c, fn, args in timed_corpus_cases(corpus.CASES, env, a.k):
         best = {False: [math.inf, math.inf], True: [math.inf, math.inf]}
         ok = True
         for _ in range(a.repeat):
@@ -180,9 +174,7 @@ def main(argv=None) -> int:
     p.add_argument("-k", default=None, help="only cases whose name or tag contains this")
     a = p.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     mp.spawn(_rank, args=(a.ranks, port, a), nprocs=a.ranks, join=True)
     _wrapper_cost()
     print(f"torch {torch.__version__}, {a.ranks} rank(s) x 1 thread, {os.cpu_count()} CPU cores")

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import time
 import uuid
@@ -37,6 +36,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from _common import free_port
 
 WAYS = ("DDP + torch.compile", "data_parallel", "data_parallel, no split")
 
@@ -145,12 +145,6 @@ def _rank_main(args: argparse.Namespace) -> dict[str, Any]:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--nproc", type=int, default=4)
@@ -172,7 +166,7 @@ def main() -> None:
         nproc_per_node=args.nproc,
         run_id=f"bench-{uuid.uuid4().hex[:8]}",
         rdzv_backend="c10d",
-        rdzv_endpoint=f"127.0.0.1:{_free_port()}",
+        rdzv_endpoint=f"127.0.0.1:{free_port()}",
         max_restarts=0,
         start_method="spawn",
     )

@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from _common import timed_corpus_cases
 
 CORPUS = Path(__file__).resolve().parents[2] / "shared" / "corpus"
 
@@ -80,13 +81,7 @@ def main(argv=None) -> int:
         import cases_public  # noqa: F401  (registers the cases)
 
         rows = []
-        for name, c in corpus.CASES.items():
-            if a.k and a.k not in name and not any(a.k in t for t in c.tags):
-                continue
-            if c.compiled_autograd or c.expect_error:
-                continue
-            made = c.factory(env)
-            fn, args = made[0], made[1]
+        for name, _case, fn, args in timed_corpus_cases(corpus.CASES, env, a.k):
             best = {"stock": [math.inf, math.inf], "plugin": [math.inf, math.inf]}
             try:
                 for _ in range(a.repeat):

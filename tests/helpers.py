@@ -59,7 +59,8 @@ class CountingBackend:
 
 
 # ---- several processes: gloo on loopback ---------------------------------------
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (for a rendezvous endpoint)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -93,7 +94,7 @@ def run_on_ranks(fn: Callable[..., Any], *args: Any, nproc: int = 4, plugin: boo
         nproc_per_node=nproc,
         run_id=f"test-{uuid.uuid4().hex[:8]}",
         rdzv_backend="c10d",
-        rdzv_endpoint=f"127.0.0.1:{_free_port()}",
+        rdzv_endpoint=f"127.0.0.1:{free_port()}",
         max_restarts=0,
         monitor_interval=0.05,
         start_method="spawn",

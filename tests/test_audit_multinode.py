@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers import free_port
 
 from dynamo_ext.audit.collect import rank_identity
 from dynamo_ext.audit.merge_cli import main as merge_main
@@ -176,12 +177,6 @@ def test_signals_stack_then_sigterm_leave_a_complete_rank_file(tmp_path):
 
 
 # ---- tier 2: one batch of real launches --------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def launches():
     """Every launch of this module, started together; ``{name: (returncode, output, path)}``."""
@@ -195,7 +190,7 @@ def launches():
         procs.setdefault(name, []).append(p)
 
     # 1. Two nodes of 2 ranks each, c10d rendezvous, as torchrun on two machines would be started.
-    port = _free_port()
+    port = free_port()
     for node in (0, 1):
         start(
             "two_node",
@@ -209,7 +204,7 @@ def launches():
                     "--html", str(tmp / "local.html"), REL], base)  # fmt: skip
     # 3. srun-style: four plain processes with SLURM variables (two "nodes"), a module:function target that does
     #    not call init_process_group itself, and rank 3 killed (SIGKILL) after its findings.
-    port = _free_port()
+    port = free_port()
     for rank in range(4):
         env = {k: v for k, v in base.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
         env.update(

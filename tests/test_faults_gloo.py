@@ -73,14 +73,14 @@ def _rank_main(rank: int, port: int, scenario: str, queue: Any) -> None:
 
 
 def test_killed_or_hung_rank_ends_the_others_with_an_error_within_the_timeout():
-    from helpers import _free_port
+    from helpers import free_port
 
     ctx = multiprocessing.get_context("spawn")
     queue = ctx.Queue()
     procs = []
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     for scenario in SCENARIOS:
-        port = _free_port()
+        port = free_port()
         procs += [ctx.Process(target=_rank_main, args=(r, port, scenario, queue), daemon=True) for r in (0, 1)]
     for p in procs:
         p.start()

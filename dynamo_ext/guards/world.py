@@ -32,13 +32,21 @@ def world_record() -> tuple[Callable[[], Any] | None, int]:
 
 def make_world_check(key: str) -> Callable[[Any], bool]:
     """A guard check: True while the world and this rank are the ones seen now."""
+    import torch.distributed as dist
+
     expected_world, expected_rank = world_record()
 
     def check(_: Any) -> bool:
-        world, rank = world_record()
+        # Runs on every call of the guarded frame: no weak reference made here, only compared.
         alive = None if expected_world is None else expected_world()
-        if alive is not None and world is not None and world() is alive and rank == expected_rank:
+        if (
+            alive is not None
+            and dist.is_initialized()
+            and dist.group.WORLD is alive
+            and dist.get_rank() == expected_rank
+        ):
             return True
+        rank = world_record()[1]
         FAILURES[key] = (
             "the default process group was destroyed and created again (or this process's rank changed: "
             f"{expected_rank} -> {rank}) since this graph made a DeviceMesh while tracing"
