@@ -31,17 +31,16 @@ graph first runs.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.fx
 import torch.utils._pytree as pytree
 
 from .. import _compat
+from ..collective_check import check_collectives, collectives
 from . import overlap
 from .batch_dim import analyze_step
 from .reductions import Reduction, insert_reductions
@@ -64,34 +63,6 @@ class CompiledStep:
     split: torch.fx.GraphModule | None
     """The graph cut at bucket boundaries (None with ``split=False``)."""
     runner: Callable[..., Any]
-
-
-def collective_signature(gm: torch.fx.GraphModule) -> list[tuple[str, ...]]:
-    """The collectives of ``gm`` in graph order: ``(op, reduce op or size, dtype, shape)`` each."""
-    out = []
-    for n in gm.graph.nodes:
-        if n.op == "call_function" and getattr(n.target, "namespace", None) == "_c10d_functional":
-            name = n.target.__name__.split(".")[0]
-            if name == "wait_tensor":
-                continue
-            val = n.meta.get("val")
-            shape = tuple(str(s) for s in val.shape) if isinstance(val, torch.Tensor) else ()
-            out.append((name, str(n.args[1]), str(getattr(val, "dtype", "")), *shape))
-    return out
-
-
-def _check_same_collectives(gm: torch.fx.GraphModule, group: Any) -> None:
-    signature = collective_signature(gm)
-    digest = hashlib.sha256(repr(signature).encode()).hexdigest()
-    digests: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(digests, digest, group=group)
-    if len(set(digests)) != 1:
-        ranks = {d: [r for r, x in enumerate(digests) if x == d] for d in digests}
-        raise RuntimeError(
-            "data_parallel: the ranks compiled different collectives for this step (groups of ranks that agree: "
-            f"{list(ranks.values())}); they would hang. Give every rank arguments of the same shapes, dtypes "
-            "and structure (only the batch size may differ) and the same optimizer settings."
-        )
 
 
 class DataParallelStep:
@@ -183,7 +154,9 @@ class DataParallelStep:
             gm.graph, reductions, bucket_cap_mb=self.bucket_cap_mb, first_bucket_mb=self.first_bucket_mb
         )
         overlap.merge_buckets(gm, buckets)
-        _check_same_collectives(gm, group)
+        # Every rank must issue these all-reduces: agreed with the others before the step first runs
+        # (the plugin's collective check, NOTE [collective check meeting point]; bounded, never a hang).
+        check_collectives(collectives(gm))
         split = overlap.split_at_buckets(gm, buckets) if self.split else None
         runner = self._compile_graph(split if split is not None else gm)
         entry = CompiledStep(traced, gm, reductions, buckets, split, runner)
@@ -287,7 +260,7 @@ def data_parallel(
             the node, e.g. a ``cumsum`` over the batch or BatchNorm's batch
             statistics); the step cannot be traced (``.item()``); a parameter
             already has a ``.grad``.
-        RuntimeError: the ranks compiled different collectives.
+        dynamo_ext.CollectiveMismatchError: the ranks compiled different collectives (a RuntimeError).
     """
     return DataParallelStep(
         step_fn,
