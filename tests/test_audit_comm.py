@@ -15,9 +15,10 @@ import torch
 from helpers import fake_world
 
 from dynamo_ext.audit import audit, gate, report_from_json
-from dynamo_ext.audit.comm import _common_path, traffic_bytes, user_frame
+from dynamo_ext.audit.comm import _common_path, traffic_bytes
 from dynamo_ext.audit.comm_merge import eager_kind
 from dynamo_ext.audit.comm_render import human_bytes
+from dynamo_ext.node_origin import user_frame
 
 
 def test_ring_traffic_per_rank():

@@ -52,12 +52,12 @@ from typing import Any
 import torch
 
 from .. import _compat
-from .identity import is_torch_file, normalize_path
+from ..node_origin import group_name, stack_frames, user_frame
+from .identity import normalize_path
 
 log = logging.getLogger(__name__)
 
 _PKG_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
-_FRAME = re.compile(r'^\s*File "([^"]+)", line (\d+), in (\S+)\n(.*)$', re.M)
 _INLINED = re.compile(r"^aot(\d+)_")
 _TEXT_COLLECTIVE = re.compile(r"_c10d_functional\.(?!wait_tensor)\w+")
 _ROOT_KEY = re.compile(r"^L\['[^']*'\]\.?")
@@ -142,10 +142,7 @@ def _node_val(n: Any) -> Any:
 
 def _group_name(node: torch.fx.Node) -> str:
     """The ``group_name`` argument (a name, or a process-group object): every functional collective takes it last."""
-    arg = node.kwargs.get("group_name", node.args[-1] if node.args else None)
-    if isinstance(arg, str):
-        return arg
-    return str(getattr(arg, "group_name", "") or "")
+    return group_name(node.kwargs.get("group_name", node.args[-1] if node.args else None))
 
 
 def p2p_bytes(node: torch.fx.Node) -> tuple[int, int]:
@@ -160,33 +157,12 @@ def p2p_bytes(node: torch.fx.Node) -> tuple[int, int]:
     return sent, sum(_bytes(_node_val(t)) for op, t in zip(ops, tensors) if "recv" in str(op))
 
 
-def _internal(path: str) -> bool:
-    """torch's or dynamo-ext's own code (the bundled examples are user code)."""
-    if is_torch_file(path) or path.startswith("<"):
-        return True
-    return path.startswith(_PKG_DIR) and not os.path.basename(path).startswith("example_")
-
-
-def user_frame(stack_trace: str | None) -> tuple[str, int, str, str] | None:
-    """(file, line, function, source) of the deepest frame of an FX ``stack_trace`` outside torch and dynamo-ext.
-
-    When every frame is internal (FSDP2's root hook): the outermost frame outside
-    torch (where the plugin's code was entered), else the deepest frame; ``None``
-    without a stack trace.
-    """
-    frames = [(f, int(n), fn, src.strip()) for f, n, fn, src in _FRAME.findall(stack_trace or "")]
-    if not frames:
-        return None
-    user = next((f for f in reversed(frames) if not _internal(f[0])), None)
-    return user or next((f for f in frames if not is_torch_file(f[0])), frames[-1])
-
-
 def origin(stack_trace: str | None) -> str:
     """``fsdp``, ``dtensor`` or ``explicit``: who put the collective there, by the frames of its stack.
 
     :class:`CommTracer` also calls it ``dtensor`` when its line makes a DTensor in a Dynamo graph.
     """
-    files = [f for f, *_ in _FRAME.findall(stack_trace or "")]
+    files = [f for f, *_ in stack_frames(stack_trace)]
     if any(os.sep + os.path.join("distributed", "fsdp") + os.sep in f for f in files) or any(
         f.startswith(_PKG_DIR) and f.endswith("fsdp.py") for f in files
     ):

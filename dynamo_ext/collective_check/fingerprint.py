@@ -25,7 +25,6 @@ rank), so ``tp`` and ``dp`` of a mesh stay apart.
 from __future__ import annotations
 
 import dataclasses
-import os
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -33,6 +32,7 @@ import torch
 import torch.fx
 
 from .. import _compat
+from ..node_origin import group_name, user_frame
 
 # Namespaces whose ops are collectives, and the ops in them that are not (or are point-to-point).
 _NAMESPACES = frozenset({"_c10d_functional", "_c10d_functional_autograd", "c10d"})
@@ -143,33 +143,10 @@ def _tensor_spec(val: Any, *, skip_dim0: bool = False) -> str | None:
     return f"{str(val.dtype).removeprefix('torch.')}[{', '.join(dims)}]"
 
 
-def _group_name(value: Any) -> str:
-    if isinstance(value, str):
-        return value
-    name = getattr(value, "group_name", None)
-    return name if isinstance(name, str) else str(value)
-
-
-_LIBRARY_DIRS = (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
 def _source_line(node: torch.fx.Node) -> str:
-    """``file:line: code`` of the innermost user frame in ``node.meta["stack_trace"]``, or ``""``.
-
-    Frames in torch's and dynamo-ext's own files (DTensor's dispatch, our
-    tracker's polyfills) are skipped while a user frame is left.
-    """
-    trace = node.meta.get("stack_trace") or ""
-    lines = [ln.strip() for ln in trace.strip().splitlines()]
-    frames = []
-    for i, head in enumerate(lines):
-        if head.startswith('File "'):
-            path = head.split('"', 2)[1]
-            lineno = head.split(", line ", 1)[1].split(",", 1)[0] if ", line " in head else "?"
-            code = lines[i + 1] if i + 1 < len(lines) and not lines[i + 1].startswith('File "') else ""
-            frames.append((path, f"{path}:{lineno}: {code}".rstrip(": ")))
-    user = [text for path, text in frames if not path.startswith(_LIBRARY_DIRS)]
-    return (user or [text for _, text in frames] or [""])[-1]
+    """``file:line: code`` of the user's frame in ``node.meta["stack_trace"]`` (:func:`node_origin.user_frame`), or ``""``."""
+    frame = user_frame(node.meta.get("stack_trace"))
+    return f"{frame[0]}:{frame[1]}: {frame[3]}".rstrip(": ") if frame else ""
 
 
 def _subgraphs(gm: torch.fx.GraphModule, node: torch.fx.Node) -> Iterator[torch.fx.GraphModule]:
@@ -212,7 +189,7 @@ def _collective(node: torch.fx.Node, schema: Any, op: str, phase: str) -> Collec
     group, reduce_op, tensors, args = "", "", [], []
     for arg_name, value in bound.items():
         if arg_name in _GROUP_ARGS and not isinstance(value, (torch.fx.Node, list, tuple)):
-            group = group or _group_name(value)
+            group = group or group_name(value)
         elif arg_name in _REDUCE_ARGS and isinstance(value, str):
             reduce_op = value
         elif arg_name in _SPLIT_ARGS:
