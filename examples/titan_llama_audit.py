@@ -23,11 +23,14 @@ pytorch/torchtitan):
   (summed cross-entropy under ``loss_parallel()``, divided by the number of
   valid tokens over the data-parallel ranks).
 
-Unlike torchtitan, which compiles each block, the whole forward and the loss
-are one ``torch.compile`` call, so FSDP2's and TP's hooks are traced (the
-plugin's job); the backward runs under compiled autograd (torchtitan's entry
-point too) unless ``DYNAMO_EXT_EXAMPLE_COMPILED_AUTOGRAD=0``; the optimizer
-(AdamW) steps eagerly.  Two CPU-only departures: parameters stay fp32
+Unlike torchtitan, which compiles each block, the forward and the loss are one
+``torch.compile`` call, so FSDP2's and TP's hooks are traced (the plugin's job)
+except those of the ``[norm, output]`` FSDP2 module group: the plugin traces
+single-module FSDP2 states only, so the group's hooks run eagerly behind a graph
+break (the audit shows it).  For the same reason the backward runs eagerly by
+default (FSDP2's eager backward hooks refuse compiled autograd);
+``DYNAMO_EXT_EXAMPLE_COMPILED_AUTOGRAD=1`` traces it and fails there.  The
+optimizer (AdamW) steps eagerly.  Two CPU-only departures: parameters stay fp32
 (``MixedPrecisionPolicy(float32, float32)``; torchtitan trains in bf16 on
 GPUs), and FSDP2 reduces with a plain sum (``set_force_sum_reduction_for_comms``:
 gloo has no ``PREMUL_SUM``, which a divide factor of 1 asks for otherwise).
@@ -37,7 +40,7 @@ gloo has no ``PREMUL_SUM``, which a divide factor of 1 asks for otherwise).
 first tensor that differs (loss, gradient type/placements/local shard, or a
 parameter after the optimizer step).  ``make_step()`` is the audit's step
 protocol (``--check-numerics``).  Knobs: ``DYNAMO_EXT_EXAMPLE_BACKEND``
-(default ``aot_eager``), ``DYNAMO_EXT_EXAMPLE_COMPILED_AUTOGRAD`` (default 1),
+(default ``aot_eager``), ``DYNAMO_EXT_EXAMPLE_COMPILED_AUTOGRAD`` (default 0),
 ``DYNAMO_EXT_TITAN_AC`` (``full`` (default), ``op`` for torchtitan's
 selective op AC, ``none``), ``DYNAMO_EXT_TITAN_LOSS_PARALLEL`` (default 1).
 """
@@ -287,7 +290,7 @@ def make_step() -> tuple[Transformer, torch.optim.Optimizer, object]:
     """The audit's step protocol (docs/audit.md, "Numerics check"): the parallelized model, AdamW, ``step(compiled)``.
 
     ``step(True)`` runs the forward and the loss through one ``torch.compile`` call and
-    ``loss.backward()`` under compiled autograd (unless ``DYNAMO_EXT_EXAMPLE_COMPILED_AUTOGRAD=0``);
+    ``loss.backward()`` eagerly (under compiled autograd with ``DYNAMO_EXT_EXAMPLE_COMPILED_AUTOGRAD=1``);
     ``step(False)`` runs both eagerly.  Both return ``{"loss"}`` (a replicated DTensor under loss
     parallel).  Needs the default process group with 4 ranks.
 
