@@ -42,16 +42,12 @@ def test_checkpointed_random_op_with_a_saved_mesh_matches_eager(world):
     torch.testing.assert_close(w.grad.to_local(), grad)
 
 
-def test_stock_torch_fails_there_without_the_fix(world):
+def test_stock_torch_fails_there_without_the_fix(world, monkeypatch):
     """The fix is needed: with our wrapper taken out of the partitioner, the same step raises (torch 2.13)."""
     from dynamo_ext import _compat
 
     partitioners = _compat.partitioners_module()
-    ours = partitioners.functionalize_rng_ops
     w, x = _mesh_and_weight()
-    partitioners.functionalize_rng_ops = ours.__wrapped__
-    try:
-        with pytest.raises(AssertionError, match="expected all tensors_saved_with_vc_check to be Tensors"):
-            torch.compile(_step, backend="aot_eager", fullgraph=True)(w, x)
-    finally:
-        partitioners.functionalize_rng_ops = ours
+    monkeypatch.setattr(partitioners, "functionalize_rng_ops", partitioners.functionalize_rng_ops.__wrapped__)
+    with pytest.raises(AssertionError, match="expected all tensors_saved_with_vc_check to be Tensors"):
+        torch.compile(_step, backend="aot_eager", fullgraph=True)(w, x)
