@@ -609,3 +609,17 @@ def no_duck_shapes() -> Any:
     from torch.fx.experimental import _config
 
     return _config.patch(use_duck_shape=False)
+
+
+def partitioners_module() -> Any:
+    """``torch._functorch.partitioners`` (AOTAutograd's joint-graph partitioner; private in 2.11 to 2.15)."""
+    return importlib.import_module("torch._functorch.partitioners")
+
+
+def is_opaque_fx_node(node: Any) -> bool:
+    """Whether an FX node's value is an opaque object (a mesh, a process group, a script object).
+
+    AOTAutograd's own test (``graph_compile.is_opaque_node``, 2.12+); before it existed nothing was opaque.
+    """
+    fn = optional_attr("torch._functorch._aot_autograd.graph_compile", "is_opaque_node")
+    return bool(fn is not None and fn(node))

@@ -54,7 +54,7 @@ def _install() -> None:
 
     if not dist.is_available():
         raise ImportError("dynamo-ext needs a torch build with torch.distributed (dist.is_available() is False)")
-    from . import _compat, collective_check, guards, inductor_lowerings, variables
+    from . import _compat, aot_rng_order, collective_check, guards, inductor_lowerings, variables
 
     with _compat.compile_lock():  # NOTE [install under threads]
         try:
@@ -62,6 +62,7 @@ def _install() -> None:
             guards.install(PATCHES)
             inductor_lowerings.install(PATCHES)
             collective_check.install(PATCHES)  # NOTE [collective check hook]
+            aot_rng_order.install(PATCHES)  # NOTE [rng states after opaque objects]
         except BaseException:
             PATCHES.undo_all()
             raise

@@ -61,6 +61,10 @@ _PKG_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 _INLINED = re.compile(r"^aot(\d+)_")
 _TEXT_COLLECTIVE = re.compile(r"_c10d_functional\.(?!wait_tensor)\w+")
 _ROOT_KEY = re.compile(r"^L\['[^']*'\]\.?")
+# Dynamo spells a submodule it reached through ``__getattr__``'s dict lookup as ``.__dict__['_modules']['name']``.
+_MODULES_DICT = re.compile(r"\.?__dict__\['_modules'\]\['([^']*)'\]")
+# torch's checkpoint_wrapper holds the wrapped module under this name; its state_dict FQNs drop it, and so do we.
+_CHECKPOINT_WRAPPED = "._checkpoint_wrapped_module"
 
 # Functional collective (op name without overload) -> traffic kind.
 TRAFFIC = {
@@ -177,8 +181,8 @@ def module_path(node: torch.fx.Node) -> str | None:
     stack = node.meta.get("nn_module_stack") or node.meta.get("fwd_nn_module_stack")
     if not stack:
         return None
-    path = list(stack.values())[-1][0]
-    return _ROOT_KEY.sub("", str(path)) or "<root>"
+    path = _MODULES_DICT.sub(r".\1", _ROOT_KEY.sub("", str(list(stack.values())[-1][0])))
+    return path.replace(_CHECKPOINT_WRAPPED, "").lstrip(".") or "<root>"
 
 
 def _placements(val: Any) -> str:
