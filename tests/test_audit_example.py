@@ -30,6 +30,13 @@ def test_bundled_example_trains_as_one_forward_and_one_backward_graph():
     assert phases == ["backward", "forward"], report["graphs"]
     backward = next(g for g in report["graphs"] if g["phase"] == "backward")
     assert "reduce_scatter_tensor" in json.dumps(backward), backward  # FSDP2's reduction, traced
+    # numerics on by default for the bundled example: the compiled step equals eager on every rank
+    num = report["numerics"]
+    assert num["ranks"] == [0, 1, 2, 3]
+    assert num["mismatches"] == [], num["mismatches"][:3]
+    assert num["compared"] > 2 * 20  # loss, logits, every gradient and parameter
+    assert report["totals"]["hang_risks"] == []
+    assert all("#" not in g["id"] and not g["file"].startswith("/") for g in report["graphs"])
     _check_comm(report)
 
 
