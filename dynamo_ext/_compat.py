@@ -159,6 +159,17 @@ def skip_frames_of(code: Any) -> Any:
     return lambda: set_code_exec_strategy(code, FrameExecStrategy(FrameAction.DEFAULT, FrameAction.DEFAULT))
 
 
+def dtensor_to_local_codes() -> tuple[Any, ...]:
+    """The code objects of ``DTensor.to_local`` and of its autograd.Function's forward (``_ToTorchTensor``,
+    private, in torch/distributed/tensor/_api.py on 2.11 to 2.15); the ones this release lacks are left out."""
+    from torch.distributed.tensor import DTensor
+
+    codes = [getattr(DTensor.to_local, "__code__", None)]
+    to_torch = optional_attr("torch.distributed.tensor._api", "_ToTorchTensor")
+    codes.append(getattr(getattr(to_torch, "forward", None), "__code__", None))
+    return tuple(c for c in codes if c is not None)
+
+
 # ---- Dynamo internals the audit reads -----------------------------------------
 # Dynamo methods that log a graph break with the exception in a local named ``exc``
 # (torch 2.11-2.15: ``InstructionTranslatorBase.log_graph_break``); on 2.13 the

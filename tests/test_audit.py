@@ -210,6 +210,28 @@ class TestMerge(TestCase):
         self.assertEqual(r.recompiles[0].reason, "tensor 'x' size mismatch at index 0. expected 4, actual 5")
         self.assertEqual(r.total_recompiles, 1)
 
+    def test_id_guard_recompile_is_one_row_across_ranks(self):
+        # An ID_MATCH guard names a per-process id() (seen on the HF Mixtral target: a code object per rank).
+        def rc(n):
+            return comp(
+                "forward_with_checkpointing", line=88, recompile=f"1/0: ___check_obj_id(forward.__code__, {n})  # x"
+            )
+
+        r = report_of({0: run_events(comp("forward_with_checkpointing", line=88), rc(94211665358448)),
+                       1: run_events(comp("forward_with_checkpointing", line=88), rc(94803169406448))})  # fmt: skip
+        (rec,) = r.recompiles
+        self.assertEqual(rec.ranks, (0, 1))
+        self.assertEqual(rec.reason, "___check_obj_id(forward.__code__, <id>)  # x")
+        graphs = sorted(g.id for g in r.graphs)
+        self.assertEqual(
+            graphs,
+            [
+                "train.py:88 forward_with_checkpointing",
+                "train.py:88 forward_with_checkpointing | recompile: ___check_obj_id(forward.__code__, <id>)",
+            ],
+        )
+        self.assertTrue(all(g.ranks == (0, 1) for g in r.graphs))
+
     def test_frame_skip_counted_apart_from_graph_breaks(self):
         r = report_of({0: run_events(brk(kind="frame_skip"), brk(line=30))})
         self.assertEqual((r.ranks[0].graph_breaks, r.ranks[0].frame_skips), (1, 1))

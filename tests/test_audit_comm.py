@@ -181,6 +181,31 @@ def test_explicit_collectives_bytes_overlap_and_unmodelled_time(monkeypatch):
     assert report.comm.bytes_per_step == ar.sent + bc.sent
 
 
+class _Dispatch:
+    """Holds an expert-parallel mesh, as transformers' ``AllToAllEP`` does (``self.ep_mesh``)."""
+
+    def __init__(self, mesh) -> None:
+        self.ep_mesh = mesh
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        import torch.distributed._functional_collectives as funcol
+
+        return funcol.all_to_all_single(x, None, None, self.ep_mesh.get_group()) + 1
+
+
+def test_explicit_collective_on_a_mesh_group_is_named_by_its_axis(plugin):
+    """No DTensor of the mesh in the graph: the axis comes from the mesh the compiled frame used."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    with fake_world(4):
+        dense = init_device_mesh("cpu", (2, 2), mesh_dim_names=("fsdp", "tp"))
+        experts = init_device_mesh("cpu", (2, 2), mesh_dim_names=("efsdp", "ep"))
+        assert dense["tp"].get_group().group_name != experts["ep"].get_group().group_name  # same ranks, other group
+        report = audit(_Dispatch(experts["ep"]), torch.randn(4, 8), backend="aot_eager")
+    (c,) = report.comm.collectives
+    assert (c.op, c.origin, c.mesh_axis, c.group_size) == ("all_to_all_single", "explicit", "ep", 2), c
+
+
 def test_overlap_counts_compute_between_a_collective_and_its_wait():
     import torch.distributed as dist
 

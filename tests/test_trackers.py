@@ -183,3 +183,27 @@ def test_dtensor_graph_with_plugin_trackers(mesh2d):
     (out, placements, ndim), graphs = compile_one(fn, x)
     assert placements == (Replicate(), Replicate()) and ndim == 2
     assert len(graphs) == 1
+
+
+def test_to_local_called_from_eager_code_is_not_a_frame_of_its_own(world):
+    """NOTE [to_local frames]: after a graph break skips its caller, `DTensor.to_local` runs eagerly instead of
+    being compiled as a frame whose autograd.Function backward stock Dynamo cannot trace (transformers'
+    expert-parallel `_use_local_dtensor_params` does this)."""
+    from torch.distributed.tensor import distribute_tensor
+
+    import dynamo_ext
+
+    mesh = init_device_mesh("cpu", (4,))
+    p = torch.nn.Parameter(distribute_tensor(torch.randn(8, 3), mesh, [Shard(0)], src_data_rank=None))
+    backend = CountingBackend()
+    out = torch.compile(DTensor.to_local, backend=backend)(p)
+    assert backend.frame_count == 0 and torch.equal(out, p.to_local())
+    out.sum().backward()  # eager autograd: the gradient is a DTensor with p's placements
+    assert p.grad.placements == (Shard(0),) and torch.equal(p.grad.to_local(), torch.ones(2, 3))
+    dynamo_ext.uninstall()  # undone: stock Dynamo compiles the frame again (and breaks in its backward)
+    try:
+        torch._dynamo.reset()
+        with pytest.raises(torch._dynamo.exc.Unsupported, match="compute_global_tensor_info"):
+            torch.compile(DTensor.to_local, backend=CountingBackend(), fullgraph=True)(p)
+    finally:
+        dynamo_ext.install()

@@ -290,7 +290,15 @@ class CommTracer:
         }
 
     def _learn(self, gm: torch.fx.GraphModule) -> None:
-        """Mesh axis names of the groups of every DTensor in ``gm``; module paths of its stack traces."""
+        """Mesh axis names of the groups of every DTensor in ``gm`` and of every mesh a compiled frame used
+        (``variables.device_mesh.traced_meshes``: a collective on ``mesh.get_group()`` with no DTensor of that
+        mesh in the graph); module paths of its stack traces."""
+        from ..variables.device_mesh import traced_meshes
+
+        for mesh in traced_meshes():
+            if id(mesh) not in self._meshes_seen:
+                self._meshes_seen.add(id(mesh))
+                self._learn_mesh(mesh)
         for n in gm.graph.nodes:
             val = n.meta.get("example_value")
             mesh = getattr(val, "device_mesh", None)

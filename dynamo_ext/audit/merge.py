@@ -39,6 +39,19 @@ from .records import AuditReport, Frame, Fusion, Graph, GraphBreak, Numerics, Nu
 
 _RESUME = re.compile(r"^torch_dynamo_resume_in_(.+)_at_(\d+)$")
 _CID_PREFIX = re.compile(r"^\s*!?[\d/]+:\s*", re.M)
+# Guards that compare an object's id() (ID_MATCH, TYPE_MATCH): the number differs per process.
+_GUARD_ID = re.compile(r"(___check_(?:obj|type)_id\([^()]*?,\s*)\d+(\))")
+_ADDRESS = re.compile(r"\b0x[0-9a-fA-F]{6,}\b")
+
+
+def _reason(raw: Any) -> str:
+    """A recompile's failed guard without what differs between processes (compile id, object ids, addresses).
+
+    An ``id()`` guard (``___check_obj_id(forward.__code__, 94211665358448)``) fails on every rank for the
+    same cause with a different number, so the number would split one recompile into a row per rank.
+    """
+    reason = _CID_PREFIX.sub("", str(raw or "")).strip()
+    return _ADDRESS.sub("0x…", _GUARD_ID.sub(r"\1<id>\2", reason))
 
 
 def _snippet(path: str, line: int, context: int = 3) -> tuple[tuple[int, str], ...]:
@@ -158,7 +171,7 @@ class Merger:
             self._comm_events[rank] = comm
 
     def _add_recompile(self, rank: int, e: dict[str, Any]) -> None:
-        reason = _CID_PREFIX.sub("", str(e["recompile_reason"])).strip()
+        reason = _reason(e["recompile_reason"])
         rid = f"{e['file']}:{e['line']} {e['function']} | {reason}"
         g = self._recompiles.setdefault(rid, {"e": e, "reason": reason, "counts": defaultdict(int)})
         g["counts"][rank] += 1
@@ -428,7 +441,7 @@ def _numerics(per_rank: dict[int, dict[str, Any]]) -> Numerics | None:
 def graph_id(e: dict[str, Any]) -> str:
     """The identity of a compiled graph: its code object and why it was compiled (see NOTE [graph identity])."""
     base = f"{e['file']}:{e['line']} {e['function']}"
-    reason = _CID_PREFIX.sub("", str(e.get("recompile_reason") or "")).strip()
+    reason = _reason(e.get("recompile_reason"))
     return f"{base} | recompile: {reason.splitlines()[0].split('  #')[0].strip()}" if reason else base
 
 

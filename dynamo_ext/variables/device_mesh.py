@@ -9,6 +9,7 @@ groups derived from a guarded object, so they need no guard of their own.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 from .. import _compat, guards
@@ -74,6 +75,17 @@ class DeviceMeshVariable(DistributedObjectVariable):
         return super().var_getattr(tx, name)
 
 
+# Meshes a compiled frame used (by id; weak, so a mesh's life is not extended).  The audit's communication
+# report names a collective's mesh axis from them when no DTensor of that mesh is in the graph, e.g. an
+# explicit all_to_all_single(..., group=ep_mesh.get_group()).
+_TRACED: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
+
+
+def traced_meshes() -> list[Any]:
+    """The live ``DeviceMesh`` objects compiled frames have used since install, in no particular order."""
+    return list(_TRACED.values())
+
+
 def build_device_mesh(tx: Any, value: Any, source: Any) -> DeviceMeshVariable | None:
     try:
         guards.DEVICE_MESH.extract(value)
@@ -82,4 +94,5 @@ def build_device_mesh(tx: Any, value: Any, source: Any) -> DeviceMeshVariable | 
         # break in the caller): not an object we can fold; stock handles it.
         return None
     guards.install_spec_guard(source, guards.DEVICE_MESH)
+    _TRACED[id(value)] = value
     return DeviceMeshVariable(value, source=source)

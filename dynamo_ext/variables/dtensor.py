@@ -229,6 +229,13 @@ def register(patches: Patcher) -> None:
     # as `self`.  Those frames are construction code, never user code: skip them.
     for code in (init_device_mesh.__code__, DeviceMesh.__init__.__code__):
         patches.on_undo(_compat.skip_frames_of(code))
+    # NOTE [to_local frames]: `x.to_local()` inside a traced frame is traced (the autograd.Function's
+    # backward included).  Called from code that runs eagerly (a caller Dynamo skipped after a graph break,
+    # e.g. transformers' _use_local_dtensor_params), `DTensor.to_local` and then `_ToTorchTensor.forward`
+    # become frames of their own, whose backward calls the C++ compute_global_tensor_info: a graph break,
+    # then one-op graphs recompiled per shape.  Those frames hold no user code: run them eagerly.
+    for code in _compat.dtensor_to_local_codes():
+        patches.on_undo(_compat.skip_frames_of(code))
     global _REJECT_MIXED_PARTIALS
     _REJECT_MIXED_PARTIALS = _compat.dtensor_rejects_mixed_partials()
     register_polyfill(eager_distribute_tensor, distribute_tensor)
