@@ -206,6 +206,30 @@ def test_explicit_collective_on_a_mesh_group_is_named_by_its_axis(plugin):
     assert (c.op, c.origin, c.mesh_axis, c.group_size) == ("all_to_all_single", "explicit", "ep", 2), c
 
 
+def test_a_mesh_of_an_earlier_world_names_no_axis(plugin):
+    """Group names restart with a new world: a still-alive mesh traced in the old one must not name their axes."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from dynamo_ext.variables.device_mesh import traced_meshes
+
+    with fake_world(4):
+        old = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_old", "tp_old"))["tp_old"]
+        audit(_Dispatch(old), torch.randn(4, 8), backend="aot_eager")
+        assert any(m is old for m in traced_meshes())
+    with fake_world(4):
+        assert not any(m is old for m in traced_meshes())  # `old` is alive, but of the destroyed world
+        report = audit(_Dispatch(dist_group_world()), torch.randn(4, 8), backend="aot_eager")
+    (c,) = report.comm.collectives
+    assert c.mesh_axis == "", c
+
+
+def dist_group_world():
+    """A stand-in for a mesh axis: ``get_group()`` gives the (new) world group."""
+    import torch.distributed as dist
+
+    return type("World", (), {"get_group": staticmethod(lambda: dist.group.WORLD)})()
+
+
 def test_overlap_counts_compute_between_a_collective_and_its_wait():
     import torch.distributed as dist
 

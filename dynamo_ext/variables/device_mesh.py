@@ -13,6 +13,7 @@ import weakref
 from typing import Any
 
 from .. import _compat, guards
+from ..guards.world import world_record
 from .base import DistributedObjectVariable, const_args, raise_user_error, wrap_constant
 
 
@@ -75,15 +76,26 @@ class DeviceMeshVariable(DistributedObjectVariable):
         return super().var_getattr(tx, name)
 
 
-# Meshes a compiled frame used (by id; weak, so a mesh's life is not extended).  The audit's communication
-# report names a collective's mesh axis from them when no DTensor of that mesh is in the graph, e.g. an
-# explicit all_to_all_single(..., group=ep_mesh.get_group()).
+# Meshes a compiled frame used (by id; weak, so a mesh's life is not extended), with the world they were
+# used in.  The audit's communication report names a collective's mesh axis from them when no DTensor of
+# that mesh is in the graph, e.g. an explicit all_to_all_single(..., group=ep_mesh.get_group()).  A mesh of
+# an earlier world (destroy_process_group, init again) may still be alive, and its group names are reused
+# by the new world's groups: it would name their axes wrongly, so only the current world's meshes count.
 _TRACED: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
+_TRACED_WORLD: dict[int, Any] = {}
 
 
 def traced_meshes() -> list[Any]:
-    """The live ``DeviceMesh`` objects compiled frames have used since install, in no particular order."""
-    return list(_TRACED.values())
+    """The live ``DeviceMesh`` objects compiled frames have used in the current world, in no particular order."""
+    world = world_record()
+    return [mesh for key, mesh in list(_TRACED.items()) if _TRACED_WORLD.get(key) == world]
+
+
+def _remember(mesh: Any) -> None:
+    for key in [k for k in _TRACED_WORLD if k not in _TRACED]:  # ids of meshes that died
+        del _TRACED_WORLD[key]
+    _TRACED[id(mesh)] = mesh
+    _TRACED_WORLD[id(mesh)] = world_record()
 
 
 def build_device_mesh(tx: Any, value: Any, source: Any) -> DeviceMeshVariable | None:
@@ -94,5 +106,5 @@ def build_device_mesh(tx: Any, value: Any, source: Any) -> DeviceMeshVariable | 
         # break in the caller): not an object we can fold; stock handles it.
         return None
     guards.install_spec_guard(source, guards.DEVICE_MESH)
-    _TRACED[id(value)] = value
+    _remember(value)
     return DeviceMeshVariable(value, source=source)
