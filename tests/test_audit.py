@@ -613,6 +613,20 @@ class TestNumerics(TestCase):
         self.assertNotIn("output", {m.kind for m in ms})
         self.assertIn(("param", "lin.weight"), {(m.kind, m.name) for m in ms})
 
+    def test_observed_checks_are_reported_combined(self):
+        """NOTE [the target's own check]: each check_step inside observe_checks reaches the observer."""
+        seen = []
+        with numerics.observe_checks(seen.append):
+            first = numerics.check_step(numerics.as_step(_linear_step(False)()))
+            second = numerics.check_step(numerics.as_step(_linear_step(True)()))
+        numerics.check_step(numerics.as_step(_linear_step(True)()))  # outside: not observed
+        self.assertEqual([{k: v for k, v in r.items() if k != "eager_comm"} for r in seen], [first, second])
+        self.assertEqual([r["eager_comm"] for r in seen], [{"forward": {}, "backward": {}}] * 2)  # no collective
+        both = numerics.combine(seen)
+        self.assertEqual(both["compared"], 10)
+        self.assertEqual([m["index"] for m in both["mismatches"]], [5 + m["index"] for m in second["mismatches"]])
+        self.assertEqual(numerics.combine([]), {"compared": 0, "mismatches": [], "eager_comm": {}})
+
     def test_mismatch_in_type_or_shape_is_named_not_compared(self):
         self.assertIsNone(numerics.compare("w", "grad", torch.ones(2), torch.ones(2), None, None))
         m = numerics.compare("w", "grad", torch.ones(2), None, None, None)

@@ -173,6 +173,15 @@ def test_numerics_gate_names_the_gradient_wrong_only_under_compile():
     assert (first["kind"], first["name"], first["rank"]) == ("grad", "lin.weight", 0)
     assert {m["rank"] for m in num["mismatches"]} == {0, 1}
     assert data["totals"]["numerics_mismatches"] == len(num["mismatches"])
+    # The target's own check_step (a tolerance the 1% error passes) is what gets reported: make_step() is not
+    # checked again (with the default tolerances it would fail, as above).
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "own.json")
+        target = str(TARGETS / "numerics_wrong.py")
+        proc = cli("--nproc", "2", "--quiet", "--check-numerics", "--json", out, target, "--", "--self-check")
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        num = json.loads(Path(out).read_text())["numerics"]
+    assert num["ranks"] == [0, 1] and num["compared"] == 10 and num["mismatches"] == []
 
 
 @pytest.mark.gloo

@@ -16,7 +16,8 @@ Each rank writes ``DIR/rank<R>.jsonl`` (NOTE [rank file]) as events happen, so a
 rank that dies leaves what it saw.  With ``--check-numerics``, after the
 audited run (and outside the collection), the target's ``make_step()`` is
 checked compiled against eager (:mod:`.numerics`) and the result is one
-``numerics`` event.  ``dynamo-ext audit merge DIR`` (:mod:`.rank_files`) reads
+``numerics`` event; a target whose run called ``check_step`` itself has those
+results reported instead (NOTE [the target's own check]).  ``dynamo-ext audit merge DIR`` (:mod:`.rank_files`) reads
 the directory back.
 
 NOTE [rank file]
@@ -40,7 +41,9 @@ nothing for that signal).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
+import logging
 import os
 import runpy
 import signal
@@ -54,6 +57,8 @@ from typing import Any
 
 from .collector import Collector, JsonlSink, dynamo_counters
 from .identity import is_torch_file, normalize_path, target_root, user_frame_index
+
+log = logging.getLogger(__name__)
 
 EXIT_TARGET_FAILED = 1
 EXIT_BAD_INPUT = 2
@@ -355,11 +360,15 @@ def find_make_step(target: str) -> Any:
     return found
 
 
-def _check_numerics(target: str, rtol: float | None, atol: float | None) -> dict[str, Any]:
+def _check_numerics(target: str, rtol: float | None, atol: float | None, observed: list[dict]) -> dict[str, Any]:
+    """The ``numerics`` event: the target's own checks when it ran any (``observed``), else ``make_step()``'s."""
     import torch
 
-    from .numerics import as_step, check_step
+    from .numerics import as_step, check_step, combine
 
+    if observed:  # NOTE [the target's own check]
+        log.info("numerics: %d check_step call(s) of the audited run reported; make_step() not run", len(observed))
+        return {"ev": "numerics", **combine(observed)}
     make_step = find_make_step(target)
     # A fresh Dynamo: the audited run's cache entries belong to other module instances.
     torch._dynamo.reset()
@@ -457,6 +466,12 @@ def main(argv: list[str] | None = None) -> int:
         collector.record({"ev": "end", "counters": {}, "status": EXIT_TERMINATED})
 
     watch = _SignalWatch(on_term, lambda frame: collector.record(stack_event(frame, root)))
+    observed: list[dict[str, Any]] = []
+    observing = contextlib.ExitStack()
+    if ns.check_numerics and ns.rtol is None:  # explicit tolerances: make_step() is checked with them
+        from .numerics import observe_checks
+
+        observing.enter_context(observe_checks(observed.append))
     collector.start()
     try:
         if is_function_target(ns.target):
@@ -474,13 +489,14 @@ def main(argv: list[str] | None = None) -> int:
         traceback.print_exc()
         status = EXIT_TARGET_FAILED
     finally:
+        observing.close()
         collector.stop()
         counters = {**dynamo_counters(), "graph_break_missed": collector.dynamo_missed()}
         if status or not ns.check_numerics:
             collector.record({"ev": "end", "counters": counters, "status": status})
     if status == 0 and ns.check_numerics:
         try:
-            collector.record(_check_numerics(ns.target, ns.rtol, ns.atol))
+            collector.record(_check_numerics(ns.target, ns.rtol, ns.atol, observed))
         except BaseException as e:  # reported; the rank fails
             ev = _error_event(e, root)
             ev["message"] = f"numerics check: {ev['message']}"

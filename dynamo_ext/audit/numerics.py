@@ -21,10 +21,20 @@ the outputs, the gradients (before the optimizer step; type and DTensor
 placements, then local values) and the parameters after the optimizer step.
 Tensors are equal when ``torch.testing.assert_close`` would call them equal
 with the given ``rtol``/``atol`` (default: its per-dtype defaults).
+
+NOTE [the target's own check]
+A target script often checks its step itself (``main()`` calls
+:func:`check_step` and raises on a mismatch, as the examples do).  Under
+``--check-numerics`` the audit observes those calls (:func:`observe_checks`)
+and reports their results instead of building the step again with
+``make_step()``: the compiled step it checked is then the audited one, and the
+model is compiled once, not twice.  The observed eager step's collectives are
+counted as :func:`.comm_merge.eager_counted_step` counts them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 from collections.abc import Callable, Iterator
@@ -163,6 +173,48 @@ def check_step(spec: Step, *, rtol: float | None = None, atol: float | None = No
     """
     if (rtol is None) != (atol is None):
         raise ValueError("give both rtol and atol, or neither (the per-dtype defaults of torch.testing.assert_close)")
+    eager_comm: dict[str, dict[str, int]] = {}
+    if _OBSERVERS:  # NOTE [the target's own check]
+        from .comm_merge import eager_counted_step
+
+        spec, eager_comm = eager_counted_step(spec)
+    result = _check(spec, rtol, atol)
+    for observer in list(_OBSERVERS):
+        observer({**result, "eager_comm": eager_comm})
+    return result
+
+
+_OBSERVERS: list[Callable[[dict[str, Any]], None]] = []
+
+
+@contextlib.contextmanager
+def observe_checks(observer: Callable[[dict[str, Any]], None]) -> Iterator[None]:
+    """Within the block, call ``observer`` with each :func:`check_step` result, plus ``"eager_comm"``.
+
+    ``eager_comm``: the eager step's collectives by phase and kind (:func:`.comm_merge.count_eager`).
+    See NOTE [the target's own check].
+    """
+    _OBSERVERS.append(observer)
+    try:
+        yield
+    finally:
+        _OBSERVERS.remove(observer)
+
+
+def combine(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """Several :func:`check_step` results (with ``eager_comm``) as one: counts summed, mismatches in order.
+
+    Each mismatch's ``index`` becomes its position in the combined order; ``eager_comm`` is the first
+    check's (the communication report compares one step).
+    """
+    compared, mismatches = 0, []
+    for r in results:
+        mismatches += [{**m, "index": compared + m["index"]} for m in r["mismatches"]]
+        compared += r["compared"]
+    return {"compared": compared, "mismatches": mismatches, "eager_comm": results[0]["eager_comm"] if results else {}}
+
+
+def _check(spec: Step, rtol: float | None, atol: float | None) -> dict[str, Any]:
     params = [p for _, p in spec.model.named_parameters()]
     with torch.no_grad():
         saved_params = [p.detach().clone() for p in params]
