@@ -609,3 +609,64 @@ def no_duck_shapes() -> Any:
     from torch.fx.experimental import _config
 
     return _config.patch(use_duck_shape=False)
+
+
+# ---- split for overlap under DDP's python reducer (issue 10, item 3) --------------
+def output_graph_class() -> type:
+    """``torch._dynamo.output_graph.OutputGraph``: its ``call_user_compiler`` hands a Dynamo graph to the backend."""
+    return importlib.import_module("torch._dynamo.output_graph").OutputGraph
+
+
+def compiling_compiled_autograd_graph() -> bool:
+    """Whether Dynamo is compiling a compiled-autograd backward graph now (the compile id's ``compiled_autograd_id``)."""
+    compile_id = torch._guards.CompileContext.current_compile_id()
+    return getattr(compile_id, "compiled_autograd_id", None) is not None
+
+
+def ddp_submod_compiler() -> tuple[Any, Any, Any]:
+    """DDPOptimizer's ``(SubmodCompiler, propagate_dynamo_source, propagate_metadata)``
+    (``torch._dynamo.backends.distributed``): compile each submodule of a split Dynamo graph with a backend."""
+    mod = importlib.import_module("torch._dynamo.backends.distributed")
+    return mod.SubmodCompiler, mod.propagate_dynamo_source, mod.propagate_metadata
+
+
+def saved_tensors_hooks_off_during_tracing() -> Any:
+    """``torch._dynamo.utils._disable_saved_tensors_hooks_during_tracing()`` (DDPOptimizer wraps its submodule compiles in it)."""
+    return importlib.import_module("torch._dynamo.utils")._disable_saved_tensors_hooks_during_tracing()
+
+
+def ddp_first_bucket_bytes(ddp: Any) -> int:
+    """A ``DistributedDataParallel``'s first-bucket cap in bytes (``_bucket_config.first_bucket_bytes_cap``;
+    before that config object existed, ``dist._DEFAULT_FIRST_BUCKET_BYTES`` capped at ``bucket_bytes_cap``)."""
+    config = getattr(ddp, "_bucket_config", None)
+    if config is not None and hasattr(config, "first_bucket_bytes_cap"):
+        return int(config.first_bucket_bytes_cap)
+    import torch.distributed as dist
+
+    return min(int(getattr(dist, "_DEFAULT_FIRST_BUCKET_BYTES", 2**20)), int(ddp.bucket_bytes_cap))
+
+
+def no_tracing_context() -> Any:
+    """Context manager: no ``TracingContext`` (``torch._guards.tracing(None)``), so ``detect_fake_mode`` reads the
+    fake mode off the values themselves rather than the context's."""
+    return torch._guards.tracing(None)
+
+
+def fake_mode_of(values: list[Any]) -> Any:
+    """The fake mode of the active ``TracingContext`` or of fake tensors among ``values``
+    (``torch._guards.detect_fake_mode``); a new ``FakeTensorMode`` when there is none."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    return torch._guards.detect_fake_mode(values) or FakeTensorMode()
+
+
+def to_fake(mode: Any, value: Any) -> Any:
+    """``value`` with each real tensor in it (lists and tuples too) made a fake tensor of ``mode``
+    (``torch._dynamo.utils.to_fake_tensor``, memoized by the mode, as Dynamo made its example values)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    if isinstance(value, list | tuple):
+        return type(value)(to_fake(mode, v) for v in value)
+    if isinstance(value, torch.Tensor) and not isinstance(value, FakeTensor):
+        return importlib.import_module("torch._dynamo.utils").to_fake_tensor(value, mode)
+    return value

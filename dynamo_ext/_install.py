@@ -55,6 +55,7 @@ def _install() -> None:
     if not dist.is_available():
         raise ImportError("dynamo-ext needs a torch build with torch.distributed (dist.is_available() is False)")
     from . import _compat, collective_check, guards, inductor_lowerings, variables
+    from .spmd import ddp_overlap
 
     with _compat.compile_lock():  # NOTE [install under threads]
         try:
@@ -62,6 +63,7 @@ def _install() -> None:
             guards.install(PATCHES)
             inductor_lowerings.install(PATCHES)
             collective_check.install(PATCHES)  # NOTE [collective check hook]
+            ddp_overlap.install(PATCHES)  # NOTE [split for overlap under DDP]
         except BaseException:
             PATCHES.undo_all()
             raise
