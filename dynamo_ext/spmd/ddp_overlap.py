@@ -22,8 +22,8 @@ backward is one compiled-autograd graph).
 NOTE [split for overlap under DDP]
 When the plugin is installed and Dynamo hands a compiled-autograd graph to the
 backend (:func:`install` wraps ``OutputGraph.call_user_compiler``), this module
-finds DDP's reducer blocks above (``param.grad`` read by nothing else but the
-graph's output), moves each block's wait and ``copy_`` to the end of the
+finds DDP's reducer blocks above (``param.grad`` read after the block by
+nothing but the graph's output), moves each block's wait and ``copy_`` to the end of the
 backward, and then does what ``data_parallel`` does (NOTE [gradient buckets],
 NOTE [split for overlap]): :func:`.overlap.plan_buckets` with the DDP module's
 caps (``bucket_bytes_cap`` and its first-bucket cap, read from the hook's
@@ -32,9 +32,10 @@ Each submodule is compiled with the user's backend by DDPOptimizer's
 ``SubmodCompiler``, as DDPOptimizer does for the forward.  The buckets depend
 only on the graph (the collectives' order and sizes) and the caps, the same on
 every rank; the collective check compares each submodule's collectives across
-the ranks before it first runs.  Anything else (a comm hook, a hook reading
-``param.grad`` afterwards, several DDP modules with different caps) is left as
-one graph, and the reason logged.  ``dynamo_ext.config.ddp_split_for_overlap``
+the ranks before it first runs.  A gradient a later hook reads keeps its
+all-reduce, wait and copy where DDP's hook put them; anything else (a comm
+hook, several DDP modules with different caps) is left as one graph, and the
+reason logged.  ``dynamo_ext.config.ddp_split_for_overlap``
 switches this off.
 """
 
@@ -74,9 +75,10 @@ def _is_op(node: Any, packet: Any) -> bool:
 def reducer_blocks(gm: torch.fx.GraphModule) -> list[tuple[Reduction, torch.fx.Node]]:
     """DDP's python-reducer blocks in a compiled-autograd Dynamo graph (NOTE [DDP's python reducer under
     compiled autograd]), in graph order: ``(Reduction(div, all_reduce, wait), copy_)`` for each gradient whose
-    accumulated ``param.grad`` nothing but the block and the graph's output reads.  The blocks' collectives and
+    accumulated ``param.grad`` nothing reads after the block but the graph's output (earlier hooks may read it).  The blocks' collectives and
     waits are set to call the ops' default overloads (what the bucket planning and merging match)."""
     blocks = []
+    pos = {n: i for i, n in enumerate(gm.graph.nodes)}
     for node in gm.graph.nodes:
         if not _is_op(node, c10d.all_reduce) or len(node.args) != 3 or node.kwargs:
             continue
@@ -92,8 +94,9 @@ def reducer_blocks(gm: torch.fx.GraphModule) -> list[tuple[Reduction, torch.fx.N
         copy = next(iter(wait.users))
         if not isinstance(grad, torch.fx.Node) or not _is_copy_into(copy, grad, wait) or copy.users:
             continue
-        if any(u not in (div, copy) and u.op != "output" for u in grad.users):
-            log.info("DDP split: %s is read by more than DDP's all-reduce (a hook?): left alone", grad.name)
+        if any(u not in (div, copy) and u.op != "output" and pos[u] > pos[div] for u in grad.users):
+            # a later hook reads .grad expecting the average: the wait and copy_ stay where DDP's hook put them
+            log.info("DDP split: %s is read after DDP's all-reduce (a hook?): left in place", grad.name)
             continue
         node.target, wait.target = c10d.all_reduce.default, c10d.wait_tensor.default
         blocks.append((Reduction(div, node, wait, True), copy))
