@@ -19,11 +19,11 @@ same per-rank batches four ways, one after the other in the same processes:
 - ``python reducer + plugin, no split``: the same with ``dynamo_ext.install()``
   and ``dynamo_ext.config.ddp_split_for_overlap = False``;
 - ``python reducer + plugin split``: the same with the split for overlap
-  (NOTE [split for overlap under DDP]): the backward cut at DDP's buckets.
+  (NOTE [split for overlap under DDP], opt-in: ``ddp_split_for_overlap = True``):
+  the backward cut at DDP's buckets.
 
 Per way it prints steps/s (median of 3 timed rounds of ``--steps`` steps after
-2 warm-up steps, slowest rank), the all-reduces issued per step, the
-compiled-autograd backward's graphs, and the largest parameter difference from
+2 warm-up steps, slowest rank), the all-reduces issued per step, and the largest parameter difference from
 the first way after all steps; then each way's ratio to ``DDPOptimizer`` and
 the split's ratio to the plugin without it, and the load average.
 """
@@ -68,21 +68,11 @@ def _count_all_reduces(run: Any) -> int:
     return counts.get("_c10d_functional::all_reduce") or counts.get("c10d::allreduce_", 0)
 
 
-class _Counting:
-    """The backend, counting the graphs it is handed."""
-
-    def __init__(self, backend: str) -> None:
-        self.backend, self.graphs = backend, 0
-
-    def __call__(self, gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
-        self.graphs += 1
-        return torch._dynamo.lookup_backend(self.backend)(gm, example_inputs)
-
-
 def _one_way(rank: int, world: int, way: str, args: argparse.Namespace) -> dict[str, Any]:
     from torch.nn.parallel import DistributedDataParallel
 
     import dynamo_ext
+    from dynamo_ext import config as ext_config
 
     torch._dynamo.reset()
     model = _model(args.hidden, args.depth)
@@ -90,10 +80,9 @@ def _one_way(rank: int, world: int, way: str, args: argparse.Namespace) -> dict[
     plugin = "plugin" in way
     if plugin:
         dynamo_ext.install()
-    counting = _Counting(args.backend)
     try:
         if way == "DDPOptimizer":
-            compiled = torch.compile(DistributedDataParallel(model, bucket_cap_mb=args.bucket_mb), backend=counting)
+            compiled = torch.compile(DistributedDataParallel(model, bucket_cap_mb=args.bucket_mb), backend=args.backend)
 
             def fwd_bwd(x: torch.Tensor, y: torch.Tensor) -> None:
                 F.mse_loss(compiled(x), y).backward()
@@ -103,12 +92,12 @@ def _one_way(rank: int, world: int, way: str, args: argparse.Namespace) -> dict[
                 ddp = DistributedDataParallel(model, bucket_cap_mb=args.bucket_mb)
             with torch._dynamo.config.patch(compiled_autograd=True):
 
-                @torch.compile(backend=counting)
+                @torch.compile(backend=args.backend)
                 def fwd_bwd(x: torch.Tensor, y: torch.Tensor) -> None:
                     F.mse_loss(ddp(x), y).backward()
 
         def step(i: int) -> None:
-            with dynamo_ext.config.patch(ddp_split_for_overlap="no split" not in way):
+            with ext_config.patch(ddp_split_for_overlap="no split" not in way):
                 fwd_bwd(*_batch(rank, i, args.batch, args.hidden))
             opt.step()
             opt.zero_grad()
@@ -128,7 +117,6 @@ def _one_way(rank: int, world: int, way: str, args: argparse.Namespace) -> dict[
         return {
             "steps/s": statistics.median(rates),
             "all-reduces": calls,
-            "graphs": counting.graphs,
             "params": [p.detach().clone() for p in model.parameters()],
         }
     finally:
@@ -187,12 +175,12 @@ def main() -> None:
             f"bucket_cap_mb {args.bucket_mb}"
         )
     )
-    for col in ("way", "steps/s (slowest rank)", "all-reduces/step (rank 0)", "graphs compiled", "max |param - 1st|"):
+    for col in ("way", "steps/s (slowest rank)", "all-reduces/step (rank 0)", "max |param - 1st|"):
         table.add_column(col)
     for way in WAYS:
         diff = max(results[k][way]["param_diff"] for k in results)
         row = r0[way]
-        table.add_row(way, f"{row['steps/s']:.2f}", str(row["all-reduces"]), str(row["graphs"]), f"{diff:.2e}")
+        table.add_row(way, f"{row['steps/s']:.2f}", str(row["all-reduces"]), f"{diff:.2e}")
     console = Console()
     console.print(table)
     base = r0[WAYS[0]]["steps/s"]

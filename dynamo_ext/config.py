@@ -8,8 +8,8 @@ decorator).  Environment variables give the defaults:
   (NOTE [collective check meeting point]);
 * ``DYNAMO_EXT_COLLECTIVE_CHECK_TIMEOUT=<seconds>`` sets how long a rank waits
   for the others at a compiled graph's first run;
-* ``DYNAMO_EXT_DDP_SPLIT=0`` keeps a DDP model's compiled-autograd backward one graph
-  (NOTE [split for overlap under DDP]).
+* ``DYNAMO_EXT_DDP_SPLIT=1`` splits a DDP model's compiled-autograd backward at its
+  gradient buckets (NOTE [split for overlap under DDP]).
 """
 
 import os
@@ -42,9 +42,10 @@ collective_check_timeout_s: float = _seconds_from_env("DYNAMO_EXT_COLLECTIVE_CHE
 keep this above the longest compile); the default group's timeout caps it.  Mismatches between ranks that
 both arrive are reported at once."""
 
-ddp_split_for_overlap: bool = _Config(default=True, env_name_default="DYNAMO_EXT_DDP_SPLIT")
-"""Cut the compiled-autograd backward of a ``DistributedDataParallel`` model using DDP's python reducer
+ddp_split_for_overlap: bool = _Config(default=False, env_name_default="DYNAMO_EXT_DDP_SPLIT")
+"""Opt-in: cut the compiled-autograd backward of a ``DistributedDataParallel`` model using DDP's python reducer
 (``torch._dynamo.config.optimize_ddp = "python_reducer"``) at gradient-bucket boundaries, so each bucket's
-all-reduce overlaps the rest of the backward (NOTE [split for overlap under DDP])."""
+all-reduce overlaps the rest of the backward (NOTE [split for overlap under DDP]).  Off by default: on the
+2-core CPU gloo benchmark it was slower than one graph (benchmarks/README.md)."""
 
 _install_config_module(sys.modules[__name__])

@@ -22,14 +22,14 @@ CAP_MB = 4000 / 2**20  # MLP gradients in backward order: head (16 + 512 bytes),
 
 @pytest.fixture
 def python_reducer(world):
-    """``optimize_ddp="python_reducer"``; DDP's constructor then changes Inductor's config and Dynamo's inline
+    """``optimize_ddp="python_reducer"`` and the split on; DDP's constructor then changes Inductor's config and Dynamo's inline
     list globally: restored afterwards."""
     import torch._dynamo.trace_rules as rules
     import torch._inductor.config as inductor_config
 
     saved = (inductor_config._fuse_ddp_communication, inductor_config._fuse_ddp_bucket_size)
     inlined = "torch.nn.parallel.distributed" in rules.LEGACY_MOD_INLINELIST
-    with torch._dynamo.config.patch(optimize_ddp="python_reducer"):
+    with torch._dynamo.config.patch(optimize_ddp="python_reducer"), dynamo_ext.config.patch(ddp_split_for_overlap=True):
         yield
     inductor_config._fuse_ddp_communication, inductor_config._fuse_ddp_bucket_size = saved
     if not inlined:

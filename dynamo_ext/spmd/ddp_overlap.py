@@ -35,8 +35,9 @@ every rank; the collective check compares each submodule's collectives across
 the ranks before it first runs.  A gradient a later hook reads keeps its
 all-reduce, wait and copy where DDP's hook put them; anything else (a comm
 hook, several DDP modules with different caps) is left as one graph, and the
-reason logged.  ``dynamo_ext.config.ddp_split_for_overlap``
-switches this off.
+reason logged.  Opt-in: ``dynamo_ext.config.ddp_split_for_overlap = True``
+(or ``DYNAMO_EXT_DDP_SPLIT=1``); on the 2-core CPU gloo benchmark
+(``benchmarks/bench_ddp_overlap.py``) the split was slower than one graph.
 """
 
 from __future__ import annotations
@@ -196,9 +197,12 @@ def _hooks_of(output_graph: Any) -> Any:
 def _wrapped_call_user_compiler(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def call_user_compiler(self: Any, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
-        if not config.ddp_split_for_overlap or not _compat.compiling_compiled_autograd_graph():
+        if not _compat.compiling_compiled_autograd_graph() or not any(
+            _is_op(n, c10d.all_reduce) for n in gm.graph.nodes
+        ):
             return original(self, gm, example_inputs)
-        if not any(_is_op(n, c10d.all_reduce) for n in gm.graph.nodes):
+        if not config.ddp_split_for_overlap:
+            log.debug("DDP split: off (dynamo_ext.config.ddp_split_for_overlap); the backward stays one graph")
             return original(self, gm, example_inputs)
         caps = bucket_caps(_hooks_of(self))
         if caps is None:
@@ -211,7 +215,11 @@ def _wrapped_call_user_compiler(original: Callable[..., Any]) -> Callable[..., A
         inner = self.compiler_fn
 
         def compile_split(g: torch.fx.GraphModule, inputs: list[Any]) -> Any:
-            return _compile_split(g, split, inputs, inner)
+            try:
+                return _compile_split(g, split, inputs, inner)
+            except Exception:  # noqa: BLE001  (the merged graph computes the same values: compile it whole)
+                log.warning("DDP split: compiling the submodules failed; compiling the backward whole", exc_info=True)
+                return inner(g, inputs)
 
         self.compiler_fn = compile_split
         try:
