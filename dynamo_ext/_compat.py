@@ -619,8 +619,21 @@ def output_graph_class() -> type:
 
 def compiling_compiled_autograd_graph() -> bool:
     """Whether Dynamo is compiling a compiled-autograd backward graph now (the compile id's ``compiled_autograd_id``)."""
-    compile_id = torch._guards.CompileContext.current_compile_id()
+    current = getattr(torch._guards.CompileContext, "current_compile_id", None)
+    compile_id = current() if current is not None else None
     return getattr(compile_id, "compiled_autograd_id", None) is not None
+
+
+def reset_submod_compiler_state() -> None:
+    """Undo what DDPOptimizer's ``SubmodCompiler`` leaves on the ``TracingContext`` (``ddp_optimizer_ctx``,
+    ``fakify_first_call``), so the same Dynamo graph can be compiled whole after a failed split compile."""
+    ctx = torch._guards.TracingContext.try_get()
+    if ctx is None:
+        return
+    if hasattr(ctx, "ddp_optimizer_ctx"):
+        ctx.ddp_optimizer_ctx = None
+    if hasattr(ctx, "fakify_first_call"):
+        ctx.fakify_first_call = False
 
 
 def ddp_submod_compiler() -> tuple[Any, Any, Any]:

@@ -112,3 +112,19 @@ def test_a_gradient_a_later_hook_reads_is_left_in_place(python_reducer, hook_aft
         ]
     assert len(kept) == (1 if hook_after_ddp else 0)
     assert len(counting.graphs) == 4  # the forward, then 2 buckets and the waits either way
+
+
+def test_a_failed_split_compile_compiles_the_backward_whole(python_reducer, monkeypatch, caplog):
+    from dynamo_ext.spmd import ddp_overlap
+
+    def fail(*args: object) -> None:
+        raise RuntimeError("a submodule failed to compile")
+
+    monkeypatch.setattr(ddp_overlap, "_compile_split", fail)
+    with caplog.at_level("WARNING", logger="dynamo_ext.spmd.ddp_overlap"):
+        counting, model = _run(bucket_cap_mb=CAP_MB)
+    assert "compiling the backward whole" in caplog.text
+    assert len(counting.graphs) == 2  # the forward and the (merged, equivalent) backward
+    ops = _targets(counting.graphs[1])
+    assert ops.count(c10d.all_reduce.default) == 2 and ops.count("copy_") == 6
+    assert all(p.grad is not None for p in model.parameters())

@@ -219,7 +219,8 @@ def _wrapped_call_user_compiler(original: Callable[..., Any]) -> Callable[..., A
                 return _compile_split(g, split, inputs, inner)
             except Exception:  # noqa: BLE001  (the merged graph computes the same values: compile it whole)
                 log.warning("DDP split: compiling the submodules failed; compiling the backward whole", exc_info=True)
-                return inner(g, inputs)
+            _compat.reset_submod_compiler_state()
+            return inner(g, inputs)
 
         self.compiler_fn = compile_split
         try:
