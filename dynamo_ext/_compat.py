@@ -8,10 +8,12 @@ torch internals only through this one.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import inspect
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -622,6 +624,26 @@ def compiling_compiled_autograd_graph() -> bool:
     current = getattr(torch._guards.CompileContext, "current_compile_id", None)
     compile_id = current() if current is not None else None
     return getattr(compile_id, "compiled_autograd_id", None) is not None
+
+
+def compiled_autograd_hooks(output_graph: Any) -> Any:
+    """The ``hooks`` argument of the compiled-autograd graph whose frame ``output_graph`` traces (its root
+    instruction translator's ``f_locals``); None when there is none."""
+    tx = getattr(output_graph, "root_tx", None)
+    return (getattr(tx, "f_locals", None) or {}).get("hooks")
+
+
+@contextlib.contextmanager
+def backend_swapped(output_graph: Any, compiler_fn: Any) -> Iterator[Any]:
+    """For one ``call_user_compiler``: ``output_graph.compiler_fn`` (the backend) replaced by ``compiler_fn``,
+    restored on exit.  Yields the original backend (DDPOptimizer swaps the backend for one frame too, through
+    ``_clone_with_backend``)."""
+    original = output_graph.compiler_fn
+    output_graph.compiler_fn = compiler_fn
+    try:
+        yield original
+    finally:
+        output_graph.compiler_fn = original
 
 
 def reset_submod_compiler_state() -> None:

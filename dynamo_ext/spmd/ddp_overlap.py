@@ -189,11 +189,6 @@ def _compile_split(
     return split
 
 
-def _hooks_of(output_graph: Any) -> Any:
-    tx = getattr(output_graph, "root_tx", None)
-    return (getattr(tx, "f_locals", None) or {}).get("hooks")
-
-
 def _wrapped_call_user_compiler(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def call_user_compiler(self: Any, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
@@ -204,7 +199,7 @@ def _wrapped_call_user_compiler(original: Callable[..., Any]) -> Callable[..., A
         if not config.ddp_split_for_overlap:
             log.debug("DDP split: off (dynamo_ext.config.ddp_split_for_overlap); the backward stays one graph")
             return original(self, gm, example_inputs)
-        caps = bucket_caps(_hooks_of(self))
+        caps = bucket_caps(_compat.compiled_autograd_hooks(self))
         if caps is None:
             log.info("DDP split: no single DistributedDataParallel module behind the backward's hooks: one graph")
             return original(self, gm, example_inputs)
@@ -212,21 +207,19 @@ def _wrapped_call_user_compiler(original: Callable[..., Any]) -> Callable[..., A
         if found is None:
             return original(self, gm, example_inputs)
         split, _ = found
-        inner = self.compiler_fn
+        backend: list[Any] = []  # the user's backend, set below before Dynamo calls compile_split
 
         def compile_split(g: torch.fx.GraphModule, inputs: list[Any]) -> Any:
             try:
-                return _compile_split(g, split, inputs, inner)
+                return _compile_split(g, split, inputs, backend[0])
             except Exception:  # noqa: BLE001  (the merged graph computes the same values: compile it whole)
                 log.warning("DDP split: compiling the submodules failed; compiling the backward whole", exc_info=True)
             _compat.reset_submod_compiler_state()
-            return inner(g, inputs)
+            return backend[0](g, inputs)
 
-        self.compiler_fn = compile_split
-        try:
+        with _compat.backend_swapped(self, compile_split) as inner:
+            backend.append(inner)
             return original(self, gm, example_inputs)
-        finally:
-            self.compiler_fn = inner
 
     return call_user_compiler
 
