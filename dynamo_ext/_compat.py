@@ -8,10 +8,12 @@ torch internals only through this one.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import inspect
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -634,3 +636,97 @@ def is_opaque_fx_node(node: Any) -> bool:
     """
     fn = optional_attr("torch._functorch._aot_autograd.graph_compile", "is_opaque_node")
     return bool(fn is not None and fn(node))
+
+
+# ---- split for overlap under DDP's python reducer (issue 10, item 3) --------------
+def output_graph_class() -> type:
+    """``torch._dynamo.output_graph.OutputGraph``: its ``call_user_compiler`` hands a Dynamo graph to the backend."""
+    return importlib.import_module("torch._dynamo.output_graph").OutputGraph
+
+
+def compiling_compiled_autograd_graph() -> bool:
+    """Whether Dynamo is compiling a compiled-autograd backward graph now (the compile id's ``compiled_autograd_id``)."""
+    current = getattr(torch._guards.CompileContext, "current_compile_id", None)
+    compile_id = current() if current is not None else None
+    return getattr(compile_id, "compiled_autograd_id", None) is not None
+
+
+def compiled_autograd_hooks(output_graph: Any) -> Any:
+    """The ``hooks`` argument of the compiled-autograd graph whose frame ``output_graph`` traces (its root
+    instruction translator's ``f_locals``); None when there is none."""
+    tx = getattr(output_graph, "root_tx", None)
+    return (getattr(tx, "f_locals", None) or {}).get("hooks")
+
+
+@contextlib.contextmanager
+def backend_swapped(output_graph: Any, compiler_fn: Any) -> Iterator[Any]:
+    """For one ``call_user_compiler``: ``output_graph.compiler_fn`` (the backend) replaced by ``compiler_fn``,
+    restored on exit.  Yields the original backend (DDPOptimizer swaps the backend for one frame too, through
+    ``_clone_with_backend``)."""
+    original = output_graph.compiler_fn
+    output_graph.compiler_fn = compiler_fn
+    try:
+        yield original
+    finally:
+        output_graph.compiler_fn = original
+
+
+def reset_submod_compiler_state() -> None:
+    """Undo what DDPOptimizer's ``SubmodCompiler`` leaves on the ``TracingContext`` (``ddp_optimizer_ctx``,
+    ``fakify_first_call``), so the same Dynamo graph can be compiled whole after a failed split compile."""
+    ctx = torch._guards.TracingContext.try_get()
+    if ctx is None:
+        return
+    if hasattr(ctx, "ddp_optimizer_ctx"):
+        ctx.ddp_optimizer_ctx = None
+    if hasattr(ctx, "fakify_first_call"):
+        ctx.fakify_first_call = False
+
+
+def ddp_submod_compiler() -> tuple[Any, Any, Any]:
+    """DDPOptimizer's ``(SubmodCompiler, propagate_dynamo_source, propagate_metadata)``
+    (``torch._dynamo.backends.distributed``): compile each submodule of a split Dynamo graph with a backend."""
+    mod = importlib.import_module("torch._dynamo.backends.distributed")
+    return mod.SubmodCompiler, mod.propagate_dynamo_source, mod.propagate_metadata
+
+
+def saved_tensors_hooks_off_during_tracing() -> Any:
+    """``torch._dynamo.utils._disable_saved_tensors_hooks_during_tracing()`` (DDPOptimizer wraps its submodule compiles in it)."""
+    return importlib.import_module("torch._dynamo.utils")._disable_saved_tensors_hooks_during_tracing()
+
+
+def ddp_first_bucket_bytes(ddp: Any) -> int:
+    """A ``DistributedDataParallel``'s first-bucket cap in bytes (``_bucket_config.first_bucket_bytes_cap``;
+    before that config object existed, ``dist._DEFAULT_FIRST_BUCKET_BYTES`` capped at ``bucket_bytes_cap``)."""
+    config = getattr(ddp, "_bucket_config", None)
+    if config is not None and hasattr(config, "first_bucket_bytes_cap"):
+        return int(config.first_bucket_bytes_cap)
+    import torch.distributed as dist
+
+    return min(int(getattr(dist, "_DEFAULT_FIRST_BUCKET_BYTES", 2**20)), int(ddp.bucket_bytes_cap))
+
+
+def no_tracing_context() -> Any:
+    """Context manager: no ``TracingContext`` (``torch._guards.tracing(None)``), so ``detect_fake_mode`` reads the
+    fake mode off the values themselves rather than the context's."""
+    return torch._guards.tracing(None)
+
+
+def fake_mode_of(values: list[Any]) -> Any:
+    """The fake mode of the active ``TracingContext`` or of fake tensors among ``values``
+    (``torch._guards.detect_fake_mode``); a new ``FakeTensorMode`` when there is none."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    return torch._guards.detect_fake_mode(values) or FakeTensorMode()
+
+
+def to_fake(mode: Any, value: Any) -> Any:
+    """``value`` with each real tensor in it (lists and tuples too) made a fake tensor of ``mode``
+    (``torch._dynamo.utils.to_fake_tensor``, memoized by the mode, as Dynamo made its example values)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    if isinstance(value, list | tuple):
+        return type(value)(to_fake(mode, v) for v in value)
+    if isinstance(value, torch.Tensor) and not isinstance(value, FakeTensor):
+        return importlib.import_module("torch._dynamo.utils").to_fake_tensor(value, mode)
+    return value

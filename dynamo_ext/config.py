@@ -7,7 +7,9 @@ decorator).  Environment variables give the defaults:
 * ``DYNAMO_EXT_COLLECTIVE_CHECK=0`` switches the collective-sequence check off
   (NOTE [collective check meeting point]);
 * ``DYNAMO_EXT_COLLECTIVE_CHECK_TIMEOUT=<seconds>`` sets how long a rank waits
-  for the others at a compiled graph's first run.
+  for the others at a compiled graph's first run;
+* ``DYNAMO_EXT_DDP_SPLIT=1`` splits a DDP model's compiled-autograd backward at its
+  gradient buckets (NOTE [split for overlap under DDP]).
 """
 
 import os
@@ -39,5 +41,11 @@ collective_check_timeout_s: float = _seconds_from_env("DYNAMO_EXT_COLLECTIVE_CHE
 """Seconds a rank waits at a graph's first run for a peer that has not arrived (it may still be compiling:
 keep this above the longest compile); the default group's timeout caps it.  Mismatches between ranks that
 both arrive are reported at once."""
+
+ddp_split_for_overlap: bool = _Config(default=False, env_name_default="DYNAMO_EXT_DDP_SPLIT")
+"""Opt-in: cut the compiled-autograd backward of a ``DistributedDataParallel`` model using DDP's python reducer
+(``torch._dynamo.config.optimize_ddp = "python_reducer"``) at gradient-bucket boundaries, so each bucket's
+all-reduce overlaps the rest of the backward (NOTE [split for overlap under DDP]).  Off by default: on the
+2-core CPU gloo benchmark it was slower than one graph (benchmarks/README.md)."""
 
 _install_config_module(sys.modules[__name__])

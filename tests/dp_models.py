@@ -113,3 +113,17 @@ def make_step(kind: str, clip: float | None = None) -> Any:
         return loss.detach()
 
     return step
+
+
+def compiled_autograd_step(model: nn.Module, kind: str, backend: Any) -> Any:
+    """``step(x, y)``: forward, mean loss and ``loss.backward()`` in one ``torch.compile``'d function with compiled
+    autograd on (what DDP's python reducer, ``optimize_ddp="python_reducer"``, needs); returns the loss."""
+    with torch._dynamo.config.patch(compiled_autograd=True):
+
+        @torch.compile(backend=backend)
+        def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            loss = loss_fn(kind, model(x), y)
+            loss.backward()
+            return loss
+
+    return step
