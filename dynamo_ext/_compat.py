@@ -362,6 +362,58 @@ def fsdp_ddp_mesh_info() -> Any:
     return optional_attr(f"{_FSDP}._fsdp_common", "DDPMeshInfo")
 
 
+@functools.cache
+def compiled_autograd_accumulate_grad_with_grad_arg() -> Any:
+    """Compiled autograd's ``call_accumulate_grad(variable, grad, has_post_hooks)``, ``None`` where its form differs.
+
+    Compiled autograd's graph calls it for every leaf (``torch/_dynamo/external_utils.py``); on 2.11 and
+    2.12 it runs the C++ functional ``AccumulateGrad`` op; 2.14+ take ``variable_grad`` and return the
+    new ``.grad`` instead.
+    """
+    fn = optional_attr("torch._dynamo.external_utils", "call_accumulate_grad")
+    if fn is None:
+        return None
+    try:
+        params = list(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        return None
+    return fn if params == ["variable", "grad", "has_post_hooks"] else None
+
+
+@functools.cache
+def dtensor_new_empty_strided_drops_uneven_shard() -> bool:
+    """Whether DTensor's ``new_empty_strided`` makes an unevenly sharded tensor's copy Replicate (2.11).
+
+    Autograd's ``clone_obey_contract`` (accumulating a first gradient) allocates the ``.grad`` with
+    ``new_empty_strided``; DTensor's ``new_factory_strategy`` on 2.11 keeps the input's placements for it
+    only when the tensor is evenly shardable (its local-stride computation assumed even shards), so the
+    gradient of an unevenly sharded parameter arrives full size and Replicate.
+    """
+    fn = optional_attr("torch.distributed.tensor._ops._tensor_ops", "new_factory_strategy")
+    code = getattr(fn, "__code__", None)
+    return code is not None and "is_tensor_evenly_shardable" in code.co_names
+
+
+@functools.cache
+def dtensor_strided_shard_shape_materializes_offsets() -> bool:
+    """Whether a ``_StridedShard``'s local shape is computed through its offsets list (2.11, 2.12).
+
+    ``_local_shard_size_and_offset`` without an ``offset_mode`` argument (``return_first_offset``
+    instead) builds the offsets with ``.tolist()`` on an index tensor even when the caller wants only
+    the size; under fake tensors that allocates unbacked SymInts no output binds, and Dynamo fails with
+    ``PendingUnbackedSymbolNotFound`` on ``new_empty_strided`` of such a DTensor (autograd's
+    ``clone_obey_contract``).
+    """
+    cls = optional_attr("torch.distributed.tensor.placement_types", "_StridedShard")
+    fn = getattr(cls, "_local_shard_size_and_offset", None)
+    if fn is None:
+        return False
+    try:
+        return "offset_mode" not in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+
+
 # ---- module backward hooks (variables/backward_hooks.py) ----------------------
 def backward_hook_variable_class() -> Any:
     """Dynamo's tracker for ``torch.utils.hooks.BackwardHook`` (``BackwardHookVariable``), or ``None``.
