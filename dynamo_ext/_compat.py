@@ -350,6 +350,18 @@ def fsdp_gradient_divide_factors(group: Any, reduce_dtype: Any, factor: Any, for
     return pre, post, rs_op
 
 
+@functools.cache
+def checkpoint_tags_nested_ops() -> bool:
+    """Whether a compiled ``torch.utils.checkpoint`` region marks every op in it for recompute (2.12+).
+
+    2.12+ run plain activation checkpointing through the selective-checkpoint path with an
+    always-recompute policy (``_always_prefer_recompute`` in ``torch/_higher_order_ops/wrap.py``), which
+    also tags ops inside a custom ``autograd.Function`` in the region; 2.11 tags only the region's own
+    graph nodes.
+    """
+    return optional_attr("torch._higher_order_ops.wrap", "_always_prefer_recompute") is not None
+
+
 def fsdp_single_param_group() -> bool:
     """Whether FSDP2's state holds one optional param group (2.11's ``_fsdp_param_group``), not a list."""
     state_cls = optional_attr(f"{_FSDP}._fsdp_state", "FSDPState")
