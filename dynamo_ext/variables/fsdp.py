@@ -69,6 +69,8 @@ def _gather_handler(tx: Any, args: list[Any], kwargs: dict[str, Any]) -> Any:
     # inside the gather's autograd.Function: there a policy (selective checkpointing) tags them all.
     recomputed = _gather_recomputed if _compat.checkpoint_tags_nested_ops() else _gather_recomputed_by_policy
     impl = recomputed if param_group.post_forward_mesh_info is not None else _gather_impl
+    if impl is _gather_recomputed_by_policy:
+        log.debug("FSDP2 %s: re-gather checkpointed with a recompute-all policy", fsdp_param._module_info.param_name)
     rows = wrap_constant(tx, fsdp_param.padded_sharded_param_size[0])
     return _compat.user_function_variable(impl).call_function(tx, [args[2], rows, *const], {})
 
