@@ -363,6 +363,18 @@ def fsdp_gradient_divide_factors(group: Any, reduce_dtype: Any, factor: Any, for
     return pre, post, rs_op
 
 
+@functools.cache
+def checkpoint_tags_nested_ops() -> bool:
+    """Whether a compiled ``torch.utils.checkpoint`` region marks every op in it for recompute (2.12+).
+
+    2.12+ run plain activation checkpointing through the selective-checkpoint path with an
+    always-recompute policy (``_always_prefer_recompute`` in ``torch/_higher_order_ops/wrap.py``), which
+    also tags ops inside a custom ``autograd.Function`` in the region; 2.11 tags only the region's own
+    graph nodes.
+    """
+    return optional_attr("torch._higher_order_ops.wrap", "_always_prefer_recompute") is not None
+
+
 def fsdp_single_param_group() -> bool:
     """Whether FSDP2's state holds one optional param group (2.11's ``_fsdp_param_group``), not a list."""
     state_cls = optional_attr(f"{_FSDP}._fsdp_state", "FSDPState")
@@ -373,6 +385,58 @@ def fsdp_single_param_group() -> bool:
 def fsdp_ddp_mesh_info() -> Any:
     """FSDP2's ``DDPMeshInfo`` class (an HSDP mesh's info is one), ``None`` where absent."""
     return optional_attr(f"{_FSDP}._fsdp_common", "DDPMeshInfo")
+
+
+@functools.cache
+def compiled_autograd_accumulate_grad_with_grad_arg() -> Any:
+    """Compiled autograd's ``call_accumulate_grad(variable, grad, has_post_hooks)``, ``None`` where its form differs.
+
+    Compiled autograd's graph calls it for every leaf (``torch/_dynamo/external_utils.py``); on 2.11 and
+    2.12 it runs the C++ functional ``AccumulateGrad`` op; 2.14+ take ``variable_grad`` and return the
+    new ``.grad`` instead.
+    """
+    fn = optional_attr("torch._dynamo.external_utils", "call_accumulate_grad")
+    if fn is None:
+        return None
+    try:
+        params = list(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        return None
+    return fn if params == ["variable", "grad", "has_post_hooks"] else None
+
+
+@functools.cache
+def dtensor_new_empty_strided_drops_uneven_shard() -> bool:
+    """Whether DTensor's ``new_empty_strided`` makes an unevenly sharded tensor's copy Replicate (2.11).
+
+    Autograd's ``clone_obey_contract`` (accumulating a first gradient) allocates the ``.grad`` with
+    ``new_empty_strided``; DTensor's ``new_factory_strategy`` on 2.11 keeps the input's placements for it
+    only when the tensor is evenly shardable (its local-stride computation assumed even shards), so the
+    gradient of an unevenly sharded parameter arrives full size and Replicate.
+    """
+    fn = optional_attr("torch.distributed.tensor._ops._tensor_ops", "new_factory_strategy")
+    code = getattr(fn, "__code__", None)
+    return code is not None and "is_tensor_evenly_shardable" in code.co_names
+
+
+@functools.cache
+def dtensor_strided_shard_shape_materializes_offsets() -> bool:
+    """Whether a ``_StridedShard``'s local shape is computed through its offsets list (2.11, 2.12).
+
+    ``_local_shard_size_and_offset`` without an ``offset_mode`` argument (``return_first_offset``
+    instead) builds the offsets with ``.tolist()`` on an index tensor even when the caller wants only
+    the size; under fake tensors that allocates unbacked SymInts no output binds, and Dynamo fails with
+    ``PendingUnbackedSymbolNotFound`` on ``new_empty_strided`` of such a DTensor (autograd's
+    ``clone_obey_contract``).
+    """
+    cls = optional_attr("torch.distributed.tensor.placement_types", "_StridedShard")
+    fn = getattr(cls, "_local_shard_size_and_offset", None)
+    if fn is None:
+        return False
+    try:
+        return "offset_mode" not in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 # ---- module backward hooks (variables/backward_hooks.py) ----------------------

@@ -14,6 +14,7 @@ def install(patches: Patcher) -> None:
     from torch.distributed.tensor.placement_types import Placement
 
     from . import (
+        accumulate_grad,
         backward_hooks,
         c10d_queries,
         collectives,
@@ -35,6 +36,7 @@ def install(patches: Patcher) -> None:
     collectives.register()
     fsdp.register()
     fsdp_eager.install(patches)
+    accumulate_grad.register()
     dtensor.register(patches)
     backward_hooks.register(patches)
     registry.hook_builders(patches)

@@ -65,7 +65,12 @@ def _gather_handler(tx: Any, args: list[Any], kwargs: dict[str, Any]) -> Any:
     # AOTAutograd's partitioner marks it must-recompute: the backward graph re-gathers
     # from the sharded parameter instead of saving the unsharded one (SimpleFSDP does
     # the same).  reshard_after_forward=False saves it, like eager.
-    impl = _gather_recomputed if param_group.post_forward_mesh_info is not None else _gather_impl
+    # torch 2.11's compiled checkpoint tags only the region's own ops for recompute, not those
+    # inside the gather's autograd.Function: there a policy (selective checkpointing) tags them all.
+    recomputed = _gather_recomputed if _compat.checkpoint_tags_nested_ops() else _gather_recomputed_by_policy
+    impl = recomputed if param_group.post_forward_mesh_info is not None else _gather_impl
+    if impl is _gather_recomputed_by_policy:
+        log.debug("FSDP2 %s: re-gather checkpointed with a recompute-all policy", fsdp_param._module_info.param_name)
     rows = wrap_constant(tx, fsdp_param.padded_sharded_param_size[0])
     return _compat.user_function_variable(impl).call_function(tx, [args[2], rows, *const], {})
 
@@ -86,6 +91,27 @@ def _gather_recomputed(local: Any, *fields: Any) -> Any:
     import torch.utils.checkpoint
 
     return torch.utils.checkpoint.checkpoint(_gather_impl, local, *fields, use_reentrant=False)
+
+
+def _gather_recomputed_by_policy(local: Any, *fields: Any) -> Any:
+    import torch.utils.checkpoint
+
+    return torch.utils.checkpoint.checkpoint(
+        _gather_impl, local, *fields, use_reentrant=False, context_fn=_recompute_every_op
+    )
+
+
+def _recompute_every_op() -> Any:
+    """Selective-checkpoint contexts that recompute every op, the collectives included."""
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    return create_selective_checkpoint_contexts(_prefer_recompute)
+
+
+def _prefer_recompute(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    return CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def unshard_param(param_group: Any, fsdp_param: Any) -> Any:
