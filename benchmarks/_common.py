@@ -1,12 +1,16 @@
-"""What several benchmark scripts share: a rendezvous port and the shared corpus's timed cases.
+"""What several benchmark scripts share: launching ranks, timing steps, the shared corpus's timed cases.
 
 Imported as ``from _common import ...`` (a script's own directory is on ``sys.path``).
 """
 
 from __future__ import annotations
 
+import os
 import socket
-from collections.abc import Iterator
+import statistics
+import time
+import uuid
+from collections.abc import Callable, Iterator
 from typing import Any
 
 
@@ -27,3 +31,46 @@ def timed_corpus_cases(cases: dict[str, Any], env: Any, k: str | None) -> Iterat
             continue
         made = c.factory(env)
         yield name, c, made[0], made[1]
+
+
+def launch_on_ranks(fn: Callable[..., Any], *args: Any, nproc: int) -> dict[int, Any]:
+    """``fn(*args)`` on ``nproc`` local processes started by torch's elastic launcher; their results by rank.
+
+    Rendezvous: c10d on a free port of 127.0.0.1, ``spawn`` start method, no restarts.  ``fn`` must be a
+    module-level function (pickled into the spawned ranks); it creates its own process group.
+    """
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=nproc,
+        run_id=f"bench-{uuid.uuid4().hex[:8]}",
+        rdzv_backend="c10d",
+        rdzv_endpoint=f"127.0.0.1:{free_port()}",
+        max_restarts=0,
+        start_method="spawn",
+    )
+    return elastic_launch(config, fn)(*args)
+
+
+def steps_per_second(step: Callable[[int], None], steps: int, *, first: int, rounds: int = 3) -> float:
+    """Median over ``rounds`` timed rounds of ``steps`` calls ``step(i)`` (``i`` from ``first`` on) in steps/s.
+
+    Each round starts after a barrier of the default group and is timed by its slowest rank (an all-reduce
+    of the elapsed seconds with MAX), so every rank returns the same figure.
+    """
+    import torch
+    import torch.distributed as dist
+
+    rates = []
+    for r in range(rounds):
+        dist.barrier()
+        t0 = time.perf_counter()
+        for i in range(steps):
+            step(first + r * steps + i)
+        elapsed = torch.tensor([time.perf_counter() - t0])
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace
+        rates.append(steps / float(elapsed))
+    return statistics.median(rates)

@@ -26,17 +26,13 @@ parameter difference from DDP after all steps; then the ratio data_parallel / DD
 from __future__ import annotations
 
 import argparse
-import os
-import statistics
-import time
-import uuid
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from _common import free_port
+from _common import launch_on_ranks, steps_per_second
 
 WAYS = ("DDP + torch.compile", "data_parallel", "data_parallel, no split")
 
@@ -111,18 +107,10 @@ def _one_way(rank: int, world: int, way: str, args: argparse.Namespace) -> dict[
 
         step(0)
         step(1)
-        rates = []
-        for r in range(3):
-            dist.barrier()
-            t0 = time.perf_counter()
-            for i in range(args.steps):
-                step(2 + r * args.steps + i)
-            elapsed = torch.tensor([time.perf_counter() - t0])
-            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace
-            rates.append(args.steps / float(elapsed))
+        rate = steps_per_second(step, args.steps, first=2)
         calls = _count_all_reduces(lambda: step(10_000))
         return {
-            "steps/s": statistics.median(rates),
+            "steps/s": rate,
             "all-reduces": calls,
             "params": [p.detach().clone() for p in model.parameters()],
         }
@@ -157,20 +145,8 @@ def main() -> None:
     args = parser.parse_args()
     from rich.console import Console
     from rich.table import Table
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    config = LaunchConfig(
-        min_nodes=1,
-        max_nodes=1,
-        nproc_per_node=args.nproc,
-        run_id=f"bench-{uuid.uuid4().hex[:8]}",
-        rdzv_backend="c10d",
-        rdzv_endpoint=f"127.0.0.1:{free_port()}",
-        max_restarts=0,
-        start_method="spawn",
-    )
-    results = elastic_launch(config, _rank_main)(args)
+    results = launch_on_ranks(_rank_main, args, nproc=args.nproc)
     r0 = results[0]
     params = sum(p.numel() for p in _model(args.hidden, args.depth).parameters())
     table = Table(

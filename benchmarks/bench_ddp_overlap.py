@@ -32,40 +32,15 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
-import time
-import uuid
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 import torch.nn.functional as F
-from _common import free_port
+from _common import launch_on_ranks, steps_per_second
+from bench_data_parallel import _batch, _count_all_reduces, _model  # the same MLP, batches and count
 
 WAYS = ("DDPOptimizer", "python reducer", "python reducer + plugin, no split", "python reducer + plugin split")
-
-
-def _model(hidden: int, depth: int) -> nn.Module:
-    torch.manual_seed(0)
-    layers: list[nn.Module] = []
-    for _ in range(depth):
-        layers += [nn.Linear(hidden, hidden), nn.GELU()]
-    return nn.Sequential(*layers, nn.Linear(hidden, 16))
-
-
-def _batch(rank: int, i: int, batch: int, hidden: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(1000 * i + rank)
-    return torch.randn(batch, hidden, generator=g), torch.randn(batch, 16, generator=g)
-
-
-def _count_all_reduces(run: Any) -> int:
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        run()
-    counts = {e.key: e.count for e in prof.key_averages()}
-    return counts.get("_c10d_functional::all_reduce") or counts.get("c10d::allreduce_", 0)
 
 
 def _one_way(rank: int, world: int, way: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -104,18 +79,10 @@ def _one_way(rank: int, world: int, way: str, args: argparse.Namespace) -> dict[
 
         step(0)
         step(1)
-        rates = []
-        for r in range(3):
-            dist.barrier()
-            t0 = time.perf_counter()
-            for i in range(args.steps):
-                step(2 + r * args.steps + i)
-            elapsed = torch.tensor([time.perf_counter() - t0])
-            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace
-            rates.append(args.steps / float(elapsed))
+        rate = steps_per_second(step, args.steps, first=2)
         calls = _count_all_reduces(lambda: step(10_000))
         return {
-            "steps/s": statistics.median(rates),
+            "steps/s": rate,
             "all-reduces": calls,
             "params": [p.detach().clone() for p in model.parameters()],
         }
@@ -150,21 +117,9 @@ def main() -> None:
     args = parser.parse_args()
     from rich.console import Console
     from rich.table import Table
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    config = LaunchConfig(
-        min_nodes=1,
-        max_nodes=1,
-        nproc_per_node=args.nproc,
-        run_id=f"bench-{uuid.uuid4().hex[:8]}",
-        rdzv_backend="c10d",
-        rdzv_endpoint=f"127.0.0.1:{free_port()}",
-        max_restarts=0,
-        start_method="spawn",
-    )
     load_before = os.getloadavg()[0]
-    results = elastic_launch(config, _rank_main)(args)
+    results = launch_on_ranks(_rank_main, args, nproc=args.nproc)
     load_after = os.getloadavg()[0]
     r0 = results[0]
     params = sum(p.numel() for p in _model(args.hidden, args.depth).parameters())

@@ -28,12 +28,11 @@ import os
 import statistics
 import sys
 import time
-import uuid
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from _common import free_port
+from _common import launch_on_ranks
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 
@@ -127,20 +126,8 @@ def main() -> None:
     args = parser.parse_args()
     from rich.console import Console
     from rich.table import Table
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    config = LaunchConfig(
-        min_nodes=1,
-        max_nodes=1,
-        nproc_per_node=args.nproc,
-        run_id=f"bench-{uuid.uuid4().hex[:8]}",
-        rdzv_backend="c10d",
-        rdzv_endpoint=f"127.0.0.1:{free_port()}",
-        max_restarts=0,
-        start_method="spawn",
-    )
-    results = elastic_launch(config, _rank_main)(args.steps, args.hidden, args.backend)
+    results = launch_on_ranks(_rank_main, args.steps, args.hidden, args.backend, nproc=args.nproc)
     r0 = results[0]
     table = Table(
         title=f"FSDP2 training, {args.nproc} gloo ranks, torch {torch.__version__}, {args.backend}, hidden {args.hidden}"
