@@ -43,11 +43,15 @@ def test_checkpointed_random_op_with_a_saved_mesh_matches_eager(world):
 
 
 def test_stock_torch_fails_there_without_the_fix(world, monkeypatch):
-    """The fix is needed: with our wrapper taken out of the partitioner, the same step raises (torch 2.13)."""
+    """The fix is needed: with our wrapper taken out of the partitioner, the same step raises (torch 2.13; 2.15 needs no fix)."""
     from dynamo_ext import _compat
 
     partitioners = _compat.partitioners_module()
     w, x = _mesh_and_weight()
     monkeypatch.setattr(partitioners, "functionalize_rng_ops", partitioners.functionalize_rng_ops.__wrapped__)
-    with pytest.raises(AssertionError, match="expected all tensors_saved_with_vc_check to be Tensors"):
+    try:
         torch.compile(_step, backend="aot_eager", fullgraph=True)(w, x)
+    except AssertionError as e:
+        assert "expected all tensors_saved_with_vc_check to be Tensors" in str(e)
+    else:  # torch 2.15 orders them itself; the wrapper then moves nothing (the test above still runs)
+        pytest.skip("this torch release saves RNG states before opaque objects without the fix")

@@ -200,10 +200,14 @@ def test_to_local_called_from_eager_code_is_not_a_frame_of_its_own(world):
     assert backend.frame_count == 0 and torch.equal(out, p.to_local())
     out.sum().backward()  # eager autograd: the gradient is a DTensor with p's placements
     assert p.grad.placements == (Shard(0),) and torch.equal(p.grad.to_local(), torch.ones(2, 3))
-    dynamo_ext.uninstall()  # undone: stock Dynamo compiles the frame again (and breaks in its backward)
+    dynamo_ext.uninstall()  # undone: stock Dynamo compiles the frame again
     try:
         torch._dynamo.reset()
-        with pytest.raises(torch._dynamo.exc.Unsupported, match="compute_global_tensor_info"):
-            torch.compile(DTensor.to_local, backend=CountingBackend(), fullgraph=True)(p)
+        stock = CountingBackend()
+        try:
+            torch.compile(DTensor.to_local, backend=stock, fullgraph=True)(p)
+            assert stock.frame_count == 1  # torch 2.15 traces it whole
+        except torch._dynamo.exc.Unsupported as e:
+            assert "compute_global_tensor_info" in str(e)  # torch 2.13: traced, and broke in its backward
     finally:
         dynamo_ext.install()
