@@ -295,7 +295,7 @@ def test_unknown_module_and_function():
         # 20 s to start two ranks); hang waits for it, long enough for both ranks to reach the print break.
         ("raise", "error", "rank 1 raised ValueError: rank 1 refuses (at tests/audit_targets/misbehaves.py:", 240),
         ("kill", "died", "rank 1 ended without finishing (exit code -9 (signal 9))", 240),
-        ("hang", "timeout", "timeout: after 45 s: rank 1 hung at tests/audit_targets/misbehaves.py:", 45),
+        ("hang", "timeout", "timeout: after 30 s: rank 1 hung at tests/audit_targets/misbehaves.py:", 30),
     ],
 )
 def test_rank_failures(mode, status, message, timeout):
@@ -324,7 +324,9 @@ def test_rank_failures(mode, status, message, timeout):
                 f"misbehaves.py:{line} in main (time.sleep(3600)); rank(s) 0 waiting in torch.distributed; killed"
             )
         ), lines
-        assert data["ranks"][0]["error"].startswith("still running after 45 s, waiting in torch.distributed (barrier)")
+        assert data["ranks"][0]["error"].startswith(
+            f"still running after {timeout} s, waiting in torch.distributed (barrier)"
+        )
     rows = re.findall(r'<tr class="rank-row"><td class="num">(\d)</td><td>[^<]*</td><td class="(\w+)">(\w+)</td>', page)
     assert rows[1] == ("1", "bad", status)
     assert "error: " + message.split(" (at ")[0] in page.replace("&#x27;", "'")
