@@ -74,3 +74,25 @@ def steps_per_second(step: Callable[[int], None], steps: int, *, first: int, rou
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace
         rates.append(steps / float(elapsed))
     return statistics.median(rates)
+
+
+def compare_ways(one_way: Callable[..., dict[str, Any]], ways: tuple[str, ...], *args: Any) -> dict[str, Any]:
+    """One rank of a launch: ``one_way(rank, world, way, *args)`` for each way, in one gloo process group.
+
+    Each result's ``"params"`` (tensors after training) becomes ``"param_diff"``: the largest absolute
+    difference from the first way's parameters.
+    """
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    try:
+        rank, world = dist.get_rank(), dist.get_world_size()
+        out = {way: one_way(rank, world, way, *args) for way in ways}
+        ref = out[ways[0]]["params"]
+        for r in out.values():
+            r["param_diff"] = max(float((a - b).abs().max()) for a, b in zip(ref, r.pop("params")))
+        return out
+    finally:
+        dist.destroy_process_group()

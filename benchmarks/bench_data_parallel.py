@@ -29,10 +29,9 @@ import argparse
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from _common import launch_on_ranks, steps_per_second
+from _common import compare_ways, launch_on_ranks, steps_per_second
 
 WAYS = ("DDP + torch.compile", "data_parallel", "data_parallel, no split")
 
@@ -119,20 +118,6 @@ def _one_way(rank: int, world: int, way: str, args: argparse.Namespace) -> dict[
             dynamo_ext.uninstall()
 
 
-def _rank_main(args: argparse.Namespace) -> dict[str, Any]:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    try:
-        rank, world = dist.get_rank(), dist.get_world_size()
-        out = {way: _one_way(rank, world, way, args) for way in WAYS}
-        ref = out[WAYS[0]]["params"]
-        for r in out.values():
-            r["param_diff"] = max(float((a - b).abs().max()) for a, b in zip(ref, r.pop("params")))
-        return out
-    finally:
-        dist.destroy_process_group()
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--nproc", type=int, default=4)
@@ -146,7 +131,7 @@ def main() -> None:
     from rich.console import Console
     from rich.table import Table
 
-    results = launch_on_ranks(_rank_main, args, nproc=args.nproc)
+    results = launch_on_ranks(compare_ways, _one_way, WAYS, args, nproc=args.nproc)
     r0 = results[0]
     params = sum(p.numel() for p in _model(args.hidden, args.depth).parameters())
     table = Table(

@@ -35,9 +35,8 @@ import os
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
-from _common import launch_on_ranks, steps_per_second
+from _common import compare_ways, launch_on_ranks, steps_per_second
 from bench_data_parallel import _batch, _count_all_reduces, _model  # the same MLP, batches and count
 
 WAYS = ("DDPOptimizer", "python reducer", "python reducer + plugin, no split", "python reducer + plugin split")
@@ -91,20 +90,6 @@ def _one_way(rank: int, world: int, way: str, args: argparse.Namespace) -> dict[
             dynamo_ext.uninstall()
 
 
-def _rank_main(args: argparse.Namespace) -> dict[str, Any]:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    try:
-        rank, world = dist.get_rank(), dist.get_world_size()
-        out = {way: _one_way(rank, world, way, args) for way in WAYS}
-        ref = out[WAYS[0]]["params"]
-        for r in out.values():
-            r["param_diff"] = max(float((a - b).abs().max()) for a, b in zip(ref, r.pop("params")))
-        return out
-    finally:
-        dist.destroy_process_group()
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--nproc", type=int, default=4)
@@ -119,7 +104,7 @@ def main() -> None:
     from rich.table import Table
 
     load_before = os.getloadavg()[0]
-    results = launch_on_ranks(_rank_main, args, nproc=args.nproc)
+    results = launch_on_ranks(compare_ways, _one_way, WAYS, args, nproc=args.nproc)
     load_after = os.getloadavg()[0]
     r0 = results[0]
     params = sum(p.numel() for p in _model(args.hidden, args.depth).parameters())
