@@ -225,12 +225,15 @@ def test_one_shot_kernel_on_symmetric_memory(one_rank_nccl_group, dtype):
 
 @pytest.mark.gpu
 @requires_cuda
-def test_compiled_tp_block_uses_the_one_shot_kernel(one_rank_nccl_group):
-    """On by default: nothing to enable (NOTE [symmetric memory route]); the pass sets the group up."""
+def test_compiled_tp_block_uses_the_one_shot_kernel(one_rank_nccl_group, monkeypatch):
+    """Opted in with ``options.one_shot``; nothing else to enable (NOTE [symmetric memory route])."""
     from test_lowering_gloo import tp_block
     from torch._inductor.utils import run_and_get_code
 
     import dynamo_ext
+    from dynamo_ext.inductor_lowerings.options import options
+
+    monkeypatch.setattr(options, "one_shot", True)
 
     g = torch.Generator().manual_seed(0)
     args = [

@@ -159,6 +159,7 @@ def test_fusion_pass_admits_two_shot_sizes(world, monkeypatch, lowering_options,
     test_mode = _compat.symm_mem_test_mode()
     if test_mode is None:
         pytest.skip("this torch has no symmetric-memory test mode")
+    lowering_options.one_shot = True
     lowering_options.one_shot_device_types = ("cpu",)
     lowering_options.one_shot_max_bytes, lowering_options.two_shot_max_bytes = one_shot_max, two_shot_max
     monkeypatch.setattr(rms_norm_lowering, "_into_comm_buffer", lambda x, group_name: x)

@@ -41,6 +41,7 @@ def _default_options():
 @pytest.fixture
 def cpu_kernel_path(monkeypatch):
     """The fused-kernel path taken on the CPU: comm buffers left out so the CPU wrapper can emit the call."""
+    options.one_shot = True
     options.one_shot_device_types = ("cpu",)
     monkeypatch.setattr(rms_norm_lowering, "_into_comm_buffer", lambda x, group_name: x)
 
@@ -64,8 +65,8 @@ def test_each_candidate_is_logged_with_the_fusion_or_the_first_failed_condition(
         m.startswith("applied [0/0] residual_rms_norm (epilogue) on group 0, 2048 bytes at all_reduce") for m in msgs
     )
     assert (
-        "fused all-reduce kernel not applied at all_reduce_1: device cpu is not in "
-        "options.one_shot_device_types ('cuda',)"
+        "fused all-reduce kernel not applied at all_reduce_1: options.one_shot is off "
+        "(off by default until measured on a GPU)"
     ) in msgs
     assert any("residual_rms_norm not applied at all_reduce: no RMSNorm over the last dim" in m for m in msgs), msgs
     [record] = decisions.applied_fusions()
@@ -87,11 +88,31 @@ def test_switched_off_fusions_say_so(world, caplog):
     options.one_shot = False
     options.one_shot_device_types = ("cpu",)
     _compile(block_manual, *_args(torch.float32, rows=4, hidden=16))
-    assert any(m.endswith(": options.one_shot is off") for m in _messages(caplog))
+    assert any(
+        m.endswith(": options.one_shot is off (off by default until measured on a GPU)") for m in _messages(caplog)
+    )
     assert [r.kernel for r in decisions.applied_fusions()] == ["epilogue"]
 
 
+def test_fused_kernels_are_off_by_default_and_say_so_once(world, caplog, monkeypatch):
+    """Off until measured on a GPU: the default keeps the stock all-reduce and logs the opt-in once per process."""
+    assert options.one_shot is False
+    monkeypatch.setattr(rms_norm_fusion, "_told_off_by_default", [])
+    options.one_shot_device_types = ("cpu",)  # a device the kernels would take: the INFO line applies
+    caplog.set_level(logging.INFO, logger="dynamo_ext")
+    for rows in (4, 8):  # two compiles, one INFO line
+        torch._dynamo.reset()
+        _compile(block_manual, *_args(torch.float32, rows=rows, hidden=16))
+    told = [m for m in _messages(caplog) if "off by default until measured on a GPU" in m]
+    assert told == [
+        "fused all-reduce + RMSNorm Triton kernels are off by default until measured on a GPU; "
+        "dynamo_ext.inductor_lowerings.options.options.one_shot = True opts in"
+    ]
+    assert [r.kernel for r in decisions.applied_fusions()] == ["epilogue", "epilogue"]
+
+
 def test_first_failed_condition_follows_the_documented_order(world):
+    options.one_shot = True
     options.one_shot_device_types = ("cpu",)
     options.one_shot_max_hidden = 8
     options.two_shot_max_bytes = options.one_shot_max_bytes = 64
@@ -193,6 +214,7 @@ def test_a_view_input_becomes_a_contiguous_comm_buffer(world):
     """A transposed all-reduce input: lowered as a contiguous copy in symmetric memory, never the view."""
     from test_lowering_patterns import _post_grad_graph_or_error
 
+    options.one_shot = True
     options.one_shot_device_types = ("cpu",)
     layouts = []
     real = rms_norm_lowering._into_comm_buffer
@@ -249,6 +271,7 @@ def _differing_rank(rank: int, world_size: int) -> dict:
     from dynamo_ext.inductor_lowerings import _compat, decisions, rms_norm_lowering
     from dynamo_ext.inductor_lowerings.options import options
 
+    options.one_shot = True
     options.one_shot_device_types = ("cpu",)
     rms_norm_lowering._into_comm_buffer = lambda x, group_name: x  # CPU wrapper: no comm buffers
     group = dist.group.WORLD.group_name

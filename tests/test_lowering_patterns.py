@@ -202,6 +202,7 @@ def test_one_shot_lowering_is_a_collective_over_a_comm_buffer(world):
     test_mode = _compat.symm_mem_test_mode()
     if test_mode is None:
         pytest.skip("this torch has no symmetric-memory test mode")
+    options.one_shot = True
     options.one_shot_device_types = ("cpu",)
     captured: list[tuple[str, bool, str, list[str]]] = []
 
@@ -240,6 +241,7 @@ def test_one_shot_collective_kernel_codegen_and_numerics_without_comm_buffer(wor
     test_mode = _compat.symm_mem_test_mode()
     if test_mode is None:
         pytest.skip("this torch has no symmetric-memory test mode")
+    options.one_shot = True
     options.one_shot_device_types = ("cpu",)
     monkeypatch.setattr(rms_norm_lowering, "_into_comm_buffer", lambda x, group_name: x)
     args = _args(torch.bfloat16, rows=8, hidden=64)

@@ -35,8 +35,11 @@ class LoweringOptions:
     row_fused_max_hidden: int = 1 << 16
     """Row-fused epilogue (sum recomputed per row) only when a row has at most this many elements."""
 
-    one_shot: bool = True
-    """On CUDA with symmetric memory for the group, fuse the all-reduce itself (one-shot Triton kernel)."""
+    one_shot: bool = False
+    """On CUDA with symmetric memory for the group, fuse the all-reduce itself (the one-shot Triton kernel, and the
+    two-shot kernel above ``one_shot_max_bytes``).  Off by default until measured on a GPU: the kernels are tested
+    under Triton's interpreter on the CPU and compiled to sm_90 PTX, but have not run on GPU hardware, so their
+    cross-rank barriers are opt-in (NOTE [fused all-reduce kernels opt-in] in rms_norm_fusion.py)."""
 
     one_shot_device_types: tuple[str, ...] = ("cuda",)
     """Devices whose symmetric memory the one-shot kernel runs on (tests add "cpu" to check codegen)."""

@@ -285,9 +285,29 @@ def _one_shot_dtypes_supported(match: ResidualRMSNormMatch) -> bool:
     return True
 
 
-def should_lower_as_one_shot(match: ResidualRMSNormMatch) -> bool:
-    """Fold the all-reduce in too (:func:`one_shot_refusal` finds nothing against it)."""
-    return one_shot_refusal(match) is None
+ONE_SHOT_OFF = "options.one_shot is off (off by default until measured on a GPU)"
+
+# NOTE [fused all-reduce kernels opt-in]
+# The one-shot and two-shot kernels fold the all-reduce into the add + RMSNorm with
+# cross-rank barriers and peer loads over symmetric memory.  They pass under Triton's
+# interpreter (real processes and concurrent in-process ranks) and compile to sm_90
+# PTX, but have never executed on GPU hardware, where a barrier's memory ordering or a
+# peer load can hang or read stale rows in ways the interpreter cannot show.  So they
+# stay off until a GPU run measures them correct and faster; ``options.one_shot = True``
+# opts in.  The add + RMSNorm epilogue fusion (the collective stays stock) is on.
+_told_off_by_default: list[bool] = []
+
+
+def _log_off_by_default(val: Any) -> None:
+    """Say once per process, at INFO, that an all-reduce on a kernel device could use the fused kernel if opted in."""
+    device_type = getattr(getattr(val, "device", None), "type", None)
+    if _told_off_by_default or options.one_shot or device_type not in options.one_shot_device_types:
+        return
+    _told_off_by_default.append(True)
+    log.info(
+        "fused all-reduce + RMSNorm Triton kernels are off by default until measured on a GPU; "
+        "dynamo_ext.inductor_lowerings.options.options.one_shot = True opts in"
+    )
 
 
 def one_shot_refusal(match: ResidualRMSNormMatch) -> str | None:
@@ -304,7 +324,7 @@ def one_shot_refusal(match: ResidualRMSNormMatch) -> str | None:
     """
     val = _val(match.all_reduce.args[0])
     checks = (
-        (lambda: options.one_shot, "options.one_shot is off"),
+        (lambda: options.one_shot, ONE_SHOT_OFF),
         (lambda: isinstance(val, torch.Tensor), "the all-reduce input has no example value"),
         (
             lambda: val.device.type in options.one_shot_device_types,
@@ -434,6 +454,8 @@ def fuse_residual_rms_norm(graph: torch.fx.Graph) -> int:
         decisions.applied(log, fusion=FUSION, kernel=str(kernel), group_name=group_name, nbytes=nbytes, node=name)
         if refusal is not None:
             decisions.not_applied(log, fusion="fused all-reduce kernel", node=name, reason=refusal)
+            if refusal == ONE_SHOT_OFF:
+                _log_off_by_default(_val(match.all_reduce.args[0]))
     if count:
         graph.lint()
     return count
