@@ -438,7 +438,30 @@ def _counter_snapshot():
     return {k: dict(v) for k, v in counters.items() if v}
 
 
+def _inner_break(x, k):
+    x = x + k
+    print("inner")
+    return x * k
+
+
+def _recompiling(x):  # _inner_break is compiled as its own frame, then again for k=2: a recompile
+    return _inner_break(_inner_break(x, 1), 2)
+
+
 class TestApi(TestCase):
+    def test_every_record_names_the_callers_rank(self):
+        """On rank 2 of a world of 4, breaks, graphs, recompiles and the rank summary all say rank 2."""
+        from helpers import fake_world
+
+        with fake_world(4, rank=2):
+            report = audit(_recompiling, torch.ones(3), backend="eager")
+        self.assertEqual([r.rank for r in report.ranks], [2])
+        self.assertTrue(report.graphs and report.recompiles and report.graph_breaks)
+        for record in (*report.graphs, *report.recompiles, *report.graph_breaks):
+            self.assertEqual(record.ranks, (2,), record)
+        self.assertEqual({r for g in report.graphs for r, _ in g.op_count_by_rank}, {2})
+        self.assertEqual({r for x in report.recompiles for r, _ in x.count_by_rank}, {2})
+
     def test_counts_equal_dynamo_counters(self):
         report = audit(_two_breaks, torch.ones(4), backend="eager")
         self.assertEqual(report.ranks[0].graph_breaks, report.ranks[0].dynamo_graph_breaks)

@@ -24,7 +24,7 @@ def _source_file(fn: Any) -> str | None:
 
 
 def _check_audit_arguments(fn: Any, check_numerics: Any, rtol: float | None, atol: float | None) -> None:
-    """Bad arguments of :func:`audit` as clear errors before anything runs (issue 9)."""
+    """Bad arguments of :func:`audit` as clear errors before anything runs."""
     if not callable(fn):
         raise TypeError(f"audit(fn, *args): fn must be a function or module to compile, got {type(fn).__name__}")
     if check_numerics is not None and not callable(check_numerics):
@@ -111,38 +111,10 @@ def audit(
             counters.update(saved)
     name = getattr(fn, "__qualname__", None) or type(fn).__name__
     module = getattr(fn, "__module__", None)
-    report = merge(
-        {0: collector.events},
+    return merge(
+        {rank: collector.events},
         target=f"{module}:{name}" if module else name,
         world_size=1,
         backend=str(compile_kwargs.get("backend", "inductor")),
+        ranks=(rank,),
     )
-    if rank:
-        import dataclasses
-
-        report = dataclasses.replace(
-            report,
-            ranks=tuple(dataclasses.replace(r, rank=rank) for r in report.ranks),
-            graph_breaks=tuple(
-                dataclasses.replace(b, ranks=(rank,), count_by_rank=tuple((rank, n) for _, n in b.count_by_rank))
-                for b in report.graph_breaks
-            ),
-            numerics=None
-            if report.numerics is None
-            else dataclasses.replace(
-                report.numerics,
-                ranks=(rank,),
-                mismatches=tuple(dataclasses.replace(m, rank=rank) for m in report.numerics.mismatches),
-            ),
-            comm=None
-            if report.comm is None
-            else dataclasses.replace(
-                report.comm,
-                bytes_by_rank=tuple((rank, n) for _, n in report.comm.bytes_by_rank),
-                collectives=tuple(
-                    dataclasses.replace(c, ranks=(rank,), sent_by_rank=tuple((rank, n) for _, n in c.sent_by_rank))
-                    for c in report.comm.collectives
-                ),
-            ),
-        )
-    return report

@@ -219,15 +219,19 @@ class Merger:
         statuses: dict[int, dict[str, Any]] | None = None,
         errors: tuple[str, ...] = (),
         torch_version: str | None = None,
+        ranks: tuple[int, ...] | None = None,
     ) -> AuditReport:
         """The merged report.
 
         ``statuses[rank]`` may give ``status`` (ok/error/died/timeout/stopped/missing),
         ``error`` and ``log``; a rank without one is ``error`` when it recorded an
-        error, ``ok`` when it sent an ``end`` event, else ``died``.
+        error, ``ok`` when it sent an ``end`` event, else ``died``.  ``ranks``: the
+        ranks the report covers (default ``0 .. world_size - 1``; an in-process audit
+        on rank 3 covers ``(3,)``).
         """
+        covered = tuple(range(world_size)) if ranks is None else ranks
         statuses = {r: dict(s) for r, s in (statuses or {}).items()}
-        for r in range(world_size):
+        for r in covered:
             info = self._ranks.get(r, {})
             st = statuses.setdefault(r, {})
             if "status" not in st:
@@ -253,7 +257,7 @@ class Merger:
                 dataclasses.replace(r, hang_risk=True) if r.divergent and (r.file, r.function) in risky else r
                 for r in recompiles
             )
-        ranks = tuple(self._rank_summary(r, statuses[r]) for r in range(world_size))
+        summaries = tuple(self._rank_summary(r, statuses[r]) for r in covered)
         from .comm_merge import merge_comm
 
         return AuditReport(
@@ -265,7 +269,7 @@ class Merger:
             graph_breaks=tuple(breaks),
             graphs=tuple(graphs),
             recompiles=recompiles,
-            ranks=ranks,
+            ranks=summaries,
             errors=tuple(errors) + tuple(self._internal),
             numerics=_numerics(self._numerics),
             comm=merge_comm(self._comm_events, ref, graph_id),
@@ -399,17 +403,20 @@ def merge(
     backend: str,
     statuses: dict[int, dict[str, Any]] | None = None,
     errors: tuple[str, ...] = (),
+    ranks: tuple[int, ...] | None = None,
 ) -> AuditReport:
     """One report from every rank's events (in memory; :class:`Merger` for streams).
 
     ``statuses[rank]`` may give ``status`` (ok/error/died/timeout), ``error`` and
     ``log``; a rank without one is ``ok`` when it sent an ``end`` event, else
-    ``died``.
+    ``died``.  ``ranks``: as :meth:`Merger.report`.
     """
     m = Merger()
     for rank, evs in sorted(events_by_rank.items()):
         m.add_rank(rank, evs)
-    return m.report(target=target, world_size=world_size, backend=backend, statuses=statuses, errors=errors)
+    return m.report(
+        target=target, world_size=world_size, backend=backend, statuses=statuses, errors=errors, ranks=ranks
+    )
 
 
 def _numerics(per_rank: dict[int, dict[str, Any]]) -> Numerics | None:
