@@ -13,7 +13,7 @@ stock torch compiles as one graph:
 
 Stock and plugin are measured alternately in the same process (``install()``
 / ``uninstall()`` between them) and the ratios plugin/stock are printed, per
-case and as the geometric mean.  Target (issue 2): both geometric means <= 1.10.
+case and as the geometric mean.  Target: both geometric means <= 1.10.
 
     python benchmarks/bench_trace_and_guards.py [--repeat 3] [--calls 200] [-k mesh]
 """

@@ -600,7 +600,7 @@ def config_module() -> tuple[Any, Any]:
 # ---- end of collective check ----------------------------------------------------
 
 
-# ---- guard soundness (issue 9, item 3) ----------------------------------------
+# ---- guard soundness: what a guard must read to stay exact --------------------
 def mesh_group_names(mesh: Any) -> tuple[str, ...] | None:
     """The names of a ``DeviceMesh``'s per-axis process groups (``mesh._dim_group_names``), ``None`` without them.
 
@@ -702,7 +702,7 @@ def is_opaque_fx_node(node: Any) -> bool:
     return bool(fn is not None and fn(node))
 
 
-# ---- split for overlap under DDP's python reducer (issue 10, item 3) --------------
+# ---- split for overlap under DDP's python reducer ---------------------------------
 def output_graph_class() -> type:
     """``torch._dynamo.output_graph.OutputGraph``: its ``call_user_compiler`` hands a Dynamo graph to the backend."""
     return importlib.import_module("torch._dynamo.output_graph").OutputGraph

@@ -1,4 +1,4 @@
-"""The audit lists the fusions dynamo-ext's Inductor passes applied, per graph (issue 11, item 1).
+"""The audit lists the fusions dynamo-ext's Inductor passes applied, per graph.
 
 - Tier 1, hand-made structured-trace records fed to the collector and events fed to the
   merge: a forward fusion (logged before its frame's ``compilation_metrics``) and a lazy

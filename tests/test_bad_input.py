@@ -102,7 +102,7 @@ def test_distribute_tensor_to_mixed_partial_ops_raises_value_error(world):
     assert isinstance(err, ValueError) and "Mixed Partial reduce types" in str(err)
 
 
-# ---- bad input through the public entry points (issue 9, item 4) ---------------------------
+# ---- bad input through the public entry points ---------------------------------------------
 def _deepest_file(info: pytest.ExceptionInfo) -> str:
     """The file of the frame that raised: the entry point itself, not something deep inside it."""
     return info.traceback[-1].path.name

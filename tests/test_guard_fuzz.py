@@ -1,4 +1,4 @@
-"""Guard soundness, fuzzed (issue 9, item 3).
+"""Guard soundness, fuzzed.
 
 Hypothesis generates sequences of calls of a few compiled functions over
 meshes (1-D, 2-D, sliced, flattened, the same layout on other process groups,

@@ -91,7 +91,7 @@ def test_code_without_distributed_objects_traces_as_stock():
     assert ours == stock
 
 
-# ---- install robustness (issue 9, item 5) --------------------------------------------------
+# ---- install robustness --------------------------------------------------------------------
 def test_enabled_blocks_in_threads_never_uninstall_under_each_other():
     import threading
     import time

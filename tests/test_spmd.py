@@ -280,7 +280,7 @@ def test_a_new_spec_or_mesh_recompiles_an_equal_one_does_not(mesh):
     assert backend.frame_count == 2
     assert fn(t, Mesh([1, 0, 3, 2], (2, 2), ("x", "y")), ("x", None)).shape == (4, 4)
     assert backend.frame_count == 3
-    # An equal layout on new process groups recompiles: a graph may bake the old groups' names (issue 9).
+    # An equal layout on new process groups recompiles: a graph may bake the old groups' names.
     assert fn(t, Mesh(range(4), (2, 2), ("x", "y")), ("x", None)).shape == (4, 4)
     assert backend.frame_count == 4
 

@@ -117,7 +117,7 @@ def _validate_target(target: str) -> str | None:
 
 
 def _bad_option(args: argparse.Namespace) -> str | None:
-    """Why an option cannot work, in one line, checked before any rank starts (issue 9), or ``None``."""
+    """Why an option cannot work, in one line, checked before any rank starts, or ``None``."""
     for flag in ("max_breaks", "max_recompiles", "max_hang_risks"):
         value = getattr(args, flag, None)
         if value is not None and value < 0:

@@ -57,7 +57,7 @@ def extract_device_mesh(mesh: Any) -> tuple[Any, ...]:
     The per-axis group names are part of the record because functional
     collectives over the mesh bake them into the graph: a mesh of the same
     layout built on other process groups must not run a graph compiled for
-    the old groups (issue 9).  The coordinate of this rank folds to constants
+    the old groups.  The coordinate of this rank folds to constants
     (local chunks, ``get_local_rank``); it differs only when the process
     re-joins a re-created world as another rank.
     """

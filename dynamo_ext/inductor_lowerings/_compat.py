@@ -150,7 +150,7 @@ def detect_fake_mode(values: list[Any]) -> Any:
     return fn(values) if fn is not None else None
 
 
-# ---- symmetric memory: the supported route per release (issue 11) ------------------
+# ---- symmetric memory: the supported route per release -----------------------------
 # NOTE [symmetric memory route]
 # Where ``enable_symm_mem_for_group`` exists and is not marked deprecated (2.11, 2.12),
 # a group must be registered with it before Inductor's ``empty_strided_p2p`` can
@@ -233,7 +233,7 @@ def emit_structured_artifact(name: str, payload: dict[str, Any]) -> None:
     )
 
 
-# ---- the compile entry our post-grad passes re-chain at (issue 9, item 5) -------------
+# ---- the compile entry our post-grad passes re-chain at -------------------------------
 def compile_fx_module() -> Any:
     """``torch._inductor.compile_fx``, whose ``compile_fx`` the ``inductor`` backend looks up at each compile.
 

@@ -60,7 +60,7 @@ class LoweringOptions:
     def cache_key(self) -> str:
         return repr(dataclasses.astuple(self))
 
-    # ---- bad input (issue 9): checked when set, not deep inside a compile --------------
+    # ---- bad input: checked when set, not deep inside a compile ------------------------
     def __setattr__(self, name: str, value: object) -> None:
         """Set a field, refusing unknown names and values of the wrong kind.
 

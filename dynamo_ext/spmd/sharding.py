@@ -44,7 +44,7 @@ def _check_same_mesh(t: DTensor, mesh: Any, what: str) -> None:
 
 
 def _check_arguments(t: Any, mesh: Any, what: str) -> None:
-    """TypeError naming the argument when ``t`` is no tensor or ``mesh`` no DeviceMesh (issue 9, bad input)."""
+    """TypeError naming the argument when ``t`` is no tensor or ``mesh`` no DeviceMesh."""
     from torch.distributed.device_mesh import DeviceMesh
 
     if not isinstance(t, torch.Tensor):

@@ -70,7 +70,7 @@ def new_site(module: torch.nn.Module) -> int:
     """Register a call site of ``module`` (at trace time); return its id."""
     site = next(_site_ids)
     # Sites of freed modules can never run hooks again (run_module_hooks treats a missing site as
-    # a freed module): drop them, so the table holds one entry per live traced call site (issue 9).
+    # a freed module): drop them, so the table holds one entry per live traced call site.
     for dead in [k for k, v in _SITES.items() if v.module() is None]:
         del _SITES[dead]
     _SITES[site] = HookSite(site, weakref.ref(module))
