@@ -22,7 +22,7 @@ class GraphBreakType:
 
 
 MOVE_OUT = "Move this call out of the torch.compile'd function (or behind torch.compiler.disable)."
-SEE_DOCS = "See README.md, 'What does not trace', in the dynamo-ext repository."
+SEE_DOCS = "See docs/tracing.md, 'What does not trace', in the dynamo-ext repository."
 
 OBJECT_COLLECTIVE = GraphBreakType(
     "dynamo_ext: object collective",
