@@ -217,11 +217,10 @@ def main() -> None:
     import torch.distributed as dist
 
     import dynamo_ext
-    from dynamo_ext.inductor_lowerings import ops
+    from dynamo_ext.inductor_lowerings import ops, options
     from dynamo_ext.inductor_lowerings.kernels import one_shot_all_reduce_rms_norm as kernel
     from dynamo_ext.inductor_lowerings.kernels import two_shot_all_reduce_rms_norm as two_shot
     from dynamo_ext.inductor_lowerings.kernels.peer_buffers import PeerBuffers
-    from dynamo_ext.inductor_lowerings.options import options
 
     options.one_shot = True  # the kernels are opt-in (NOTE [fused all-reduce kernels opt-in]); this measures them
     dtype = torch.bfloat16

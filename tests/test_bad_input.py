@@ -129,13 +129,28 @@ def test_install_uninstall_enabled_take_no_arguments():
     ],
 )
 def test_bad_lowering_options_are_refused_when_set(name, value, error, message):
-    from dynamo_ext.inductor_lowerings.options import LoweringOptions, options
+    from dynamo_ext import _compat
+    from dynamo_ext.inductor_lowerings import options
 
-    before = options.cache_key()
-    with pytest.raises(error) as info:
-        setattr(options, name, value)
-    assert message in str(info.value) and _deepest_file(info) == "options.py"
-    assert options.cache_key() == before == LoweringOptions().cache_key()
+    before = options.get_hash()
+    for how in (lambda: setattr(options, name, value), lambda: options.patch({name: value}).__enter__()):
+        with pytest.raises(error) as info:
+            how()
+        assert message in str(info.value) and _deepest_file(info) == "options.py"
+    assert options.get_hash() == before
+    assert options.get_config_copy() == _compat.config_defaults(options)
+
+
+def test_lowering_options_are_a_torch_config_module():
+    """``patch`` sets and restores, and every setting is part of the hash the passes' ``uuid()`` reads."""
+    from dynamo_ext.inductor_lowerings import options
+
+    before = options.get_hash()
+    with options.patch(one_shot=True, bucket_cap_bytes=1 << 10):
+        assert (options.one_shot, options.bucket_cap_bytes) == (True, 1 << 10)
+        assert options.get_hash() != before
+    assert (options.one_shot, options.bucket_cap_bytes) == (False, 32 << 20)
+    assert options.get_hash() == before
 
 
 def test_audit_api_bad_arguments():

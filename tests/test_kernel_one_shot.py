@@ -231,7 +231,7 @@ def test_compiled_tp_block_uses_the_one_shot_kernel(one_rank_nccl_group, monkeyp
     from torch._inductor.utils import run_and_get_code
 
     import dynamo_ext
-    from dynamo_ext.inductor_lowerings.options import options
+    from dynamo_ext.inductor_lowerings import options
 
     monkeypatch.setattr(options, "one_shot", True)
 

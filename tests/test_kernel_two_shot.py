@@ -45,11 +45,11 @@ BUFFER_NBYTES = 1 << 16
 
 @pytest.fixture
 def lowering_options():
-    from dynamo_ext.inductor_lowerings.options import options
+    from dynamo_ext.inductor_lowerings import options
 
-    saved = dict(vars(options))
+    saved = options.get_config_copy()
     yield options
-    vars(options).update(saved)
+    options.load_config(saved)
 
 
 def _interpreted_rank(rank: int, world_size: int, directory: str, staging_dir: str) -> list[dict[str, Any]]:

@@ -23,19 +23,18 @@ from helpers import run_on_ranks
 from test_lowering_patterns import _args, _compile, block_manual
 
 import dynamo_ext
-from dynamo_ext.inductor_lowerings import _compat, decisions, ops, rms_norm_fusion, rms_norm_lowering
-from dynamo_ext.inductor_lowerings.options import options
+from dynamo_ext.inductor_lowerings import _compat, decisions, ops, options, rms_norm_fusion, rms_norm_lowering
 
 FUSION_LOGGER = "dynamo_ext.inductor_lowerings.rms_norm_fusion"
 
 
 @pytest.fixture(autouse=True)
 def _default_options():
-    saved = dict(vars(options))
+    saved = options.get_config_copy()
     decisions.applied_fusions(clear=True)
     with _compat.inductor_config().patch(fx_graph_cache=False):  # a cache hit skips the passes
         yield
-    vars(options).update(saved)
+    options.load_config(saved)
 
 
 @pytest.fixture
@@ -106,7 +105,7 @@ def test_fused_kernels_are_off_by_default_and_say_so_once(world, caplog, monkeyp
     told = [m for m in _messages(caplog) if "off by default until measured on a GPU" in m]
     assert told == [
         "fused all-reduce + RMSNorm Triton kernels are off by default until measured on a GPU; "
-        "dynamo_ext.inductor_lowerings.options.options.one_shot = True opts in"
+        "dynamo_ext.inductor_lowerings.options.one_shot = True opts in"
     ]
     assert [r.kernel for r in decisions.applied_fusions()] == ["epilogue", "epilogue"]
 
@@ -268,8 +267,7 @@ def _differing_rank(rank: int, world_size: int) -> dict:
     from torch._inductor.utils import run_and_get_code
 
     import dynamo_ext
-    from dynamo_ext.inductor_lowerings import _compat, decisions, rms_norm_lowering
-    from dynamo_ext.inductor_lowerings.options import options
+    from dynamo_ext.inductor_lowerings import _compat, decisions, options, rms_norm_lowering
 
     options.one_shot = True
     options.one_shot_device_types = ("cpu",)

@@ -18,16 +18,15 @@ from torch._inductor.utils import run_and_get_code
 from torch.testing import FileCheck
 
 import dynamo_ext
-from dynamo_ext.inductor_lowerings import _compat, rms_norm_fusion, rms_norm_lowering
-from dynamo_ext.inductor_lowerings.options import options
+from dynamo_ext.inductor_lowerings import _compat, options, rms_norm_fusion, rms_norm_lowering
 from dynamo_ext.inductor_lowerings.registry import ChainedGraphPass
 
 
 @pytest.fixture(autouse=True)
 def _default_options():
-    saved = dict(vars(options))
+    saved = options.get_config_copy()
     yield
-    vars(options).update(saved)
+    options.load_config(saved)
 
 
 def block_manual(x, residual, w, weight):

@@ -13,7 +13,7 @@ post-grad passes after any the user set in
    bucketing order], NOTE [all-gather / reduce-scatter buckets]).
 
 Every change goes through ``patches`` so ``dynamo_ext.uninstall()`` undoes it.
-Thresholds and switches live in :data:`.options.options`.
+Thresholds and switches live in :mod:`.options` (a torch config module: ``options.patch(...)``).
 """
 
 from __future__ import annotations

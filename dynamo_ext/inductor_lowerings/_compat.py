@@ -201,7 +201,7 @@ def ensure_symm_mem_for_group(group_name: str) -> None:
         raise RuntimeError(
             f"dynamo_ext: could not set up symmetric memory for process group {group_name!r} on this rank "
             f"({type(e).__name__}: {e}); the fused all-reduce kernels need it on every rank. Turn them off on "
-            "every rank with dynamo_ext.inductor_lowerings.options.options.one_shot = False"
+            "every rank with dynamo_ext.inductor_lowerings.options.one_shot = False"
         ) from e
     _ENABLED_BY_US.add(group_name)
 

@@ -71,8 +71,7 @@ import torch
 import torch.fx
 import torch.utils._pytree as pytree
 
-from . import _compat
-from .options import options
+from . import _compat, options
 from .registry import package_sources
 
 aten = torch.ops.aten
@@ -387,5 +386,5 @@ class AllReduceBucketingPass(_compat.custom_graph_pass_base()):  # type: ignore[
 
     def uuid(self) -> Any:
         return _compat.hash_for_files(
-            package_sources(), extra=options.cache_key()
+            package_sources(), extra=options.get_hash().hex()
         )  # NOTE [pass identity covers the lowerings]

@@ -20,9 +20,8 @@ import logging
 import torch
 
 from .._patching import Patcher
-from . import _compat
+from . import _compat, options
 from .kernels.reference import residual_rms_norm_reference
-from .options import options
 
 log = logging.getLogger(__name__)
 NAMESPACE = "dynamo_ext"

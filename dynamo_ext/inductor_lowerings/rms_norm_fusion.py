@@ -39,8 +39,7 @@ from typing import Any
 import torch
 import torch.fx
 
-from . import _compat, decisions, ops
-from .options import options
+from . import _compat, decisions, ops, options
 from .registry import package_sources
 
 log = logging.getLogger(__name__)
@@ -306,7 +305,7 @@ def _log_off_by_default(val: Any) -> None:
     _told_off_by_default.append(True)
     log.info(
         "fused all-reduce + RMSNorm Triton kernels are off by default until measured on a GPU; "
-        "dynamo_ext.inductor_lowerings.options.options.one_shot = True opts in"
+        "dynamo_ext.inductor_lowerings.options.one_shot = True opts in"
     )
 
 
@@ -469,5 +468,5 @@ class ResidualRMSNormPass(_compat.custom_graph_pass_base()):  # type: ignore[mis
 
     def uuid(self) -> Any:
         return _compat.hash_for_files(  # NOTE [pass identity covers the lowerings]
-            package_sources(), extra=options.cache_key() + _compat.symm_mem_state_key()
+            package_sources(), extra=options.get_hash().hex() + _compat.symm_mem_state_key()
         )

@@ -16,8 +16,7 @@ from typing import Any
 
 import torch
 
-from . import _compat, decisions, ops
-from .options import options
+from . import _compat, decisions, ops, options
 from .registry import LoweringRule
 
 log = logging.getLogger(__name__)
