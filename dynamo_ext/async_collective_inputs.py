@@ -10,10 +10,11 @@ reduce-scatters its output and hands the ACT to the first transformer block,
 which torchtitan compiles on its own.  The ACT requires grad (its ``grad_fn``
 is ``to_local``'s backward); its ``elem`` does not.
 
-AOTAutograd's ``process_inputs`` (torch 2.13; the bug reports 2.15 as well)
-replaces each top-level ACT input with ``act.trigger_wait()``, the ``elem``,
-before it makes fake inputs, so that the traced metadata never records an ACT
-(its runtime wrapper waits on the ACT again before the compiled graph reads it).
+AOTAutograd's ``process_inputs`` (torch 2.12 to 2.15; 2.11 keeps ACT inputs as
+subclasses) replaces each top-level ACT input with ``act.trigger_wait()``, the
+``elem``, before it makes fake inputs, so that the traced metadata never records
+an ACT (its runtime wrapper waits on the ACT again before the compiled graph
+reads it).
 That fake no longer requires grad: when nothing else requiring grad enters the
 region AOTAutograd compiles an inference graph and backward raises "element 0
 of tensors does not require grad"; in a block with parameters it differentiates
@@ -26,9 +27,11 @@ those fakes that lost it.  The fake is changed in place, not replaced: the
 symbolic-shape context AOTAutograd keeps per input is keyed by the fake's
 identity.  At run time the compiled ``autograd.Function`` receives the ACT
 itself (the wait happens inside its forward), so the gradient for that input
-flows back through the ACT's ``grad_fn``.  Releases whose ``process_inputs``
-keeps ACT inputs as subclasses keep ``requires_grad`` and are left as they are:
-the wrapper acts only on a fake that lost the flag.  AOTAutograd's cache keys on
+flows back through the ACT's ``grad_fn``.  A release whose ``process_inputs``
+keeps ACT inputs as subclasses keeps ``requires_grad`` and is left as it is: the
+wrapper acts only on a fake that lost the flag.  An ACT nested in a wrapper
+subclass input (a DTensor whose local tensor is an ACT; 2.14 and 2.15 unwrap
+those too) is not handled here.  AOTAutograd's cache keys on
 the fakes' ``requires_grad``, so an entry compiled without the fix is not reused.
 """
 
