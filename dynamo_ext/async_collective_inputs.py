@@ -29,9 +29,10 @@ identity.  At run time the compiled ``autograd.Function`` receives the ACT
 itself (the wait happens inside its forward), so the gradient for that input
 flows back through the ACT's ``grad_fn``.  A release whose ``process_inputs``
 keeps ACT inputs as subclasses keeps ``requires_grad`` and is left as it is: the
-wrapper acts only on a fake that lost the flag.  An ACT nested in a wrapper
-subclass input (a DTensor whose local tensor is an ACT; 2.14 and 2.15 unwrap
-those too) is not handled here.  AOTAutograd's cache keys on
+wrapper acts only on a fake that lost the flag.  A DTensor input whose local
+tensor is an ACT (``redistribute(..., async_op=True)`` without ``to_local``) is
+left alone: it keeps its ``requires_grad`` on 2.13 (kept as it is) and on 2.15
+(rebuilt around the waited local tensor), as a compiled ``d * 2`` shows.  AOTAutograd's cache keys on
 the fakes' ``requires_grad``, so an entry compiled without the fix is not reused.
 """
 
