@@ -826,3 +826,38 @@ def to_fake(mode: Any, value: Any) -> Any:
     if isinstance(value, torch.Tensor) and not isinstance(value, FakeTensor):
         return importlib.import_module("torch._dynamo.utils").to_fake_tensor(value, mode)
     return value
+
+
+# ---- AOTAutograd's input fakification ------------------------------------------
+# Where AOTAutograd's callers read ``process_inputs`` from: its home module and the
+# module that imports it by name (``aot_function``, ``aot_module_simplified``, export).
+_PROCESS_INPUTS_HOMES = ("torch._functorch._aot_autograd.frontend_utils", "torch._functorch.aot_autograd")
+
+
+def aot_process_inputs() -> tuple[Any, tuple[Any, ...]]:
+    """AOTAutograd's input fakifier and the modules that hold it: ``(process_inputs, owners)``.
+
+    ``process_inputs(flat_args, aot_config, fake_mode, shape_env, ...)`` turns the compiled
+    region's inputs into fake tensors before tracing; it returns the fakes, or on releases that
+    unwrap ``AsyncCollectiveTensor`` inputs first, ``(fakes, act_input_indices)``.  Probed by
+    import, not by version; ``(None, ())`` where no such function exists.
+    """
+    original = None
+    for name in _PROCESS_INPUTS_HOMES:
+        original = optional_attr(name, "process_inputs")
+        if callable(original):
+            break
+    if not callable(original):
+        return None, ()
+    owners = tuple(
+        importlib.import_module(name)
+        for name in _PROCESS_INPUTS_HOMES
+        if optional_attr(name, "process_inputs") is original
+    )
+    return original, owners
+
+
+def async_collective_tensor_type() -> type | None:
+    """``torch.distributed._functional_collectives.AsyncCollectiveTensor`` (what ``DTensor.to_local()``
+    returns after an ``async_op=True`` redistribute), or ``None`` where absent."""
+    return optional_attr("torch.distributed._functional_collectives", "AsyncCollectiveTensor")

@@ -54,7 +54,15 @@ def _install() -> None:
 
     if not dist.is_available():
         raise ImportError("dynamo-ext needs a torch build with torch.distributed (dist.is_available() is False)")
-    from . import _compat, aot_rng_order, collective_check, guards, inductor_lowerings, variables
+    from . import (
+        _compat,
+        aot_rng_order,
+        async_collective_inputs,
+        collective_check,
+        guards,
+        inductor_lowerings,
+        variables,
+    )
     from .spmd import ddp_overlap
 
     with _compat.compile_lock():  # NOTE [install under threads]
@@ -64,6 +72,7 @@ def _install() -> None:
             inductor_lowerings.install(PATCHES)
             collective_check.install(PATCHES)  # NOTE [collective check hook]
             aot_rng_order.install(PATCHES)  # NOTE [rng states after opaque objects]
+            async_collective_inputs.install(PATCHES)  # NOTE [grad-requiring AsyncCollectiveTensor inputs]
             ddp_overlap.install(PATCHES)  # NOTE [split for overlap under DDP]
         except BaseException:
             PATCHES.undo_all()

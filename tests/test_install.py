@@ -16,6 +16,8 @@ from dynamo_ext._patching import PATCHES
 
 def _snapshot() -> dict[str, dict[str, object]]:
     """Snapshot of every namespace the plugin may patch: object identity, config values by value."""
+    import torch._functorch._aot_autograd.frontend_utils as frontend_utils
+    import torch._functorch.aot_autograd as aot_autograd
     import torch._inductor.config as inductor_config
     import torch._inductor.lowering as lowering
 
@@ -25,6 +27,8 @@ def _snapshot() -> dict[str, dict[str, object]]:
         "GuardBuilder": vars(torch._dynamo.guards.GuardBuilder),
         "torch._dynamo.guards": vars(torch._dynamo.guards),
         "lowerings": lowering.lowerings,
+        "aot_autograd": vars(aot_autograd),
+        "frontend_utils": vars(frontend_utils),
     }
     snap = {name: {k: id(v) for k, v in dict(ns).items()} for name, ns in spaces.items()}
     for name, cfg in (("inductor.config", inductor_config), ("dynamo.config", torch._dynamo.config)):

@@ -1,0 +1,102 @@
+"""Keep the autograd edge of an ``AsyncCollectiveTensor`` that enters a compiled region as an input.
+
+NOTE [grad-requiring AsyncCollectiveTensor inputs]
+``DTensor.to_local()`` after an ``async_op=True`` redistribute returns an
+``AsyncCollectiveTensor`` (ACT): a wrapper whose ``elem`` is the collective's
+(not yet waited) output.  Tensor parallelism produces one between eagerly run
+modules and compiled ones: torchtitan's rowwise-parallel embedding
+(``RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))``)
+reduce-scatters its output and hands the ACT to the first transformer block,
+which torchtitan compiles on its own.  The ACT requires grad (its ``grad_fn``
+is ``to_local``'s backward); its ``elem`` does not.
+
+AOTAutograd's ``process_inputs`` (torch 2.12 to 2.15; 2.11 keeps ACT inputs as
+subclasses) replaces each top-level ACT input with ``act.trigger_wait()``, the
+``elem``, before it makes fake inputs, so that the traced metadata never records
+an ACT (its runtime wrapper waits on the ACT again before the compiled graph
+reads it).
+That fake no longer requires grad: when nothing else requiring grad enters the
+region AOTAutograd compiles an inference graph and backward raises "element 0
+of tensors does not require grad"; in a block with parameters it differentiates
+only with respect to the parameters, so the gradient to the ACT's producer, and
+to everything before it (the embedding's weight), is silently dropped.
+
+We wrap ``process_inputs``: it notes which inputs are ACTs that require grad,
+lets the original fakify them, and sets ``requires_grad`` again on each of
+those fakes that lost it.  The fake is changed in place, not replaced: the
+symbolic-shape context AOTAutograd keeps per input is keyed by the fake's
+identity.  At run time the compiled ``autograd.Function`` receives the ACT
+itself (the wait happens inside its forward), so the gradient for that input
+flows back through the ACT's ``grad_fn``.  A release whose ``process_inputs``
+keeps ACT inputs as subclasses keeps ``requires_grad`` and is left as it is: the
+wrapper acts only on a fake that lost the flag.  A DTensor input whose local
+tensor is an ACT (``redistribute(..., async_op=True)`` without ``to_local``) is
+left alone: it keeps its ``requires_grad`` on 2.13 (kept as it is) and on 2.15
+(rebuilt around the waited local tensor), as a compiled ``d * 2`` shows.  AOTAutograd's cache keys on
+the fakes' ``requires_grad``, so an entry compiled without the fix is not reused.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from . import _compat
+from ._patching import Patcher
+
+log = logging.getLogger(__name__)
+
+
+def grad_requiring_acts(flat_args: Sequence[Any], act_type: type) -> list[int]:
+    """Positions in ``flat_args`` of ``AsyncCollectiveTensor`` inputs that require grad."""
+    return [i for i, a in enumerate(flat_args) if isinstance(a, act_type) and a.requires_grad]
+
+
+def restore_requires_grad(fakes: Sequence[Any], positions: Sequence[int], act_type: type) -> list[int]:
+    """Set ``requires_grad`` on ``fakes[i]`` for each ``i`` in ``positions`` where it was lost.
+
+    A fake that is still an ``AsyncCollectiveTensor`` (a release that does not unwrap them) or already
+    requires grad is left alone.  Returns the positions changed.
+    """
+    changed = []
+    for i in positions:
+        fake = fakes[i]
+        if isinstance(fake, torch.Tensor) and not isinstance(fake, act_type) and not fake.requires_grad:
+            fake.requires_grad_(True)
+            changed.append(i)
+    return changed
+
+
+def _keep_requires_grad(original: Any, act_type: type) -> Any:
+    @functools.wraps(original)
+    def process_inputs(flat_args: list[Any], *args: Any, **kwargs: Any) -> Any:
+        positions = grad_requiring_acts(flat_args, act_type)  # before the original unwraps them in place
+        result = original(flat_args, *args, **kwargs)
+        if positions:
+            fakes = result[0] if isinstance(result, tuple) else result
+            changed = restore_requires_grad(fakes, positions, act_type)
+            if changed:
+                log.info(
+                    "AsyncCollectiveTensor input(s) at position(s) %s of the compiled region require grad: "
+                    "kept requires_grad on their unwrapped fakes (NOTE [grad-requiring AsyncCollectiveTensor inputs])",
+                    changed,
+                )
+        return result
+
+    return process_inputs
+
+
+def install(patches: Patcher) -> None:
+    """Wrap AOTAutograd's ``process_inputs`` where this release has it (a no-op otherwise)."""
+    act_type = _compat.async_collective_tensor_type()
+    original, owners = _compat.aot_process_inputs()
+    if act_type is None or original is None:
+        log.debug("no AsyncCollectiveTensor or no AOTAutograd process_inputs: ACT inputs keep stock behaviour")
+        return
+    wrapped = _keep_requires_grad(original, act_type)
+    for owner in owners:
+        patches.setattr(owner, "process_inputs", wrapped)
