@@ -107,7 +107,9 @@ def _build_group_hook(tx: Any, value: Any, source: Any) -> Any:
         return None  # another FSDP2 hook (reached by identity elsewhere) or a value made while tracing
     impl = group_pre_forward if code is codes[1] else group_post_forward
     bound = inner.__wrapped__  # the state's bound _pre_forward / _post_forward
-    state_source = _compat.AttrSource(_compat.AttrSource(_compat.AttrSource(source, "__wrapped__"), "__wrapped__"), "__self__")
+    state_source = _compat.AttrSource(
+        _compat.AttrSource(_compat.AttrSource(source, "__wrapped__"), "__wrapped__"), "__self__"
+    )
     state_vt = build_variable(tx, bound.__self__, state_source)
 
     def handler(tx: Any, args: list[Any], kwargs: dict[str, Any]) -> Any:
