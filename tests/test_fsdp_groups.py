@@ -123,3 +123,12 @@ def test_registry_matches_functions_by_code_and_rejects_bad_keys():
     assert registry.lookup(second) is None
     with pytest.raises(TypeError, match=r"register_variable\(match='code'\) needs a code object, got"):
         registry.register_variable(first, lambda tx, value, source: None, match="code")
+
+
+def test_group_pass_started_by_eager_fsdp2_hooks_is_a_named_graph_break(world):
+    net = _sharded()
+    net(torch.randn(2, 8))  # eager: FSDP2's lazy init picks the root
+    h = net.norm(torch.randn(2, 8))  # eager: FSDP2's hooks start the group's pass (out still to run)
+    with pytest.raises(torch._dynamo.exc.Unsupported, match=graph_breaks.FSDP_UNTRACED.gb_type) as info:
+        torch.compile(lambda t: net.out(t), backend="eager", fullgraph=True)(h)
+    assert "whose pass FSDP2's eager hooks started" in str(info.value)
