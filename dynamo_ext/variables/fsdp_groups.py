@@ -41,7 +41,7 @@ from typing import Any
 
 from .. import _compat, graph_breaks
 from . import fsdp, registry
-from .functions import HandledFunctionVariable, build_variable, register_handler
+from .functions import HandledFunctionVariable, build_variable
 
 log = logging.getLogger(__name__)
 
@@ -50,17 +50,13 @@ def group_pre_forward(state: Any, module: Any, args: Any, kwargs: Any) -> Any:
     """Traceable group pre-hook: gather at the pass's first module, cast inputs at every one."""
     to_run = state._modules_to_run_forward
     if len(to_run) == 0:
-        if state._state_ctx.iter_forward_root is None:
-            group_outside_forward()
         to_run.update(state._modules)
         return fsdp.pre_forward(state, module, args, kwargs)
-    started_eagerly(state._training_state)
     return fsdp.cast_inputs(state, args, kwargs)
 
 
 def group_post_forward(state: Any, module: Any, input: Any, output: Any) -> Any:
     """Traceable group post-hook: reshard at the pass's last module, cast the output at the others."""
-    started_eagerly(state._training_state)
     to_run = state._modules_to_run_forward
     if module in to_run:
         to_run.remove(module)
@@ -69,34 +65,31 @@ def group_post_forward(state: Any, module: Any, input: Any, output: Any) -> Any:
     return fsdp.cast_output(state, output)
 
 
-def group_outside_forward() -> None:
-    """Graph break: a module group's pass starts outside every FSDP2 forward (traced by a handler)."""
-    raise RuntimeError("group_outside_forward is only meaningful inside a graph traced by dynamo-ext")
+def _refuse_untraceable_pass(tx: Any, state_vt: Any, pre: bool) -> None:
+    """Break the graph where the group's pass is not one the traced hooks can finish (module docstring).
 
-
-def started_eagerly(training_state: Any) -> None:
-    """Graph break when eager FSDP2 hooks started the group's pass (traced by a handler)."""
-    raise RuntimeError("started_eagerly is only meaningful inside a graph traced by dynamo-ext")
-
-
-def _outside_forward_handler(tx: Any, args: list[Any], kwargs: dict[str, Any]) -> Any:
-    graph_breaks.graph_break(
-        graph_breaks.FSDP_UNTRACED,
-        "a module of an FSDP2 module group (fully_shard([...])) called outside its root module's forward: "
-        "eager FSDP2 finishes such a pass in its backward's final callback, which the traced backward does not run",
-    )
-
-
-def _started_eagerly_handler(tx: Any, args: list[Any], kwargs: dict[str, Any]) -> Any:
-    from .base import wrap_constant
-
-    state = args[0].as_python_constant() if args[0].is_python_constant() else None
-    if getattr(state, "name", None) == "FORWARD":  # TrainingState.FORWARD: eager FSDP2 hooks started the pass
+    Reads the state as the trace sees it (mutations earlier in this trace included), through
+    Dynamo's trackers, so the reads are guarded like the polyfill's own.
+    """
+    training = state_vt.var_getattr(tx, "_training_state").as_python_constant()
+    if getattr(training, "name", None) == "FORWARD":  # TrainingState.FORWARD: eager FSDP2 hooks started it
         graph_breaks.graph_break(
             graph_breaks.FSDP_UNTRACED,
-            "an FSDP2 module group whose pass FSDP2's eager hooks started (after an earlier graph break)",
+            "a module of an FSDP2 module group whose pass FSDP2's eager hooks started (after an earlier graph "
+            "break or a skipped frame); its hooks run eagerly too",
         )
-    return wrap_constant(tx, None)
+    if not pre:
+        return
+    to_run = state_vt.var_getattr(tx, "_modules_to_run_forward")
+    starts = to_run.call_method(tx, "__len__", [], {}).as_python_constant() == 0
+    root = state_vt.var_getattr(tx, "_state_ctx").var_getattr(tx, "iter_forward_root")
+    if starts and root.is_python_constant() and root.as_python_constant() is None:
+        graph_breaks.graph_break(
+            graph_breaks.FSDP_UNTRACED,
+            "a module of an FSDP2 module group (fully_shard([...])) called outside its root module's forward: "
+            "eager FSDP2 finishes such a pass in its backward's final callback, which the traced backward "
+            "does not run",
+        )
 
 
 def _build_group_hook(tx: Any, value: Any, source: Any) -> Any:
@@ -114,6 +107,7 @@ def _build_group_hook(tx: Any, value: Any, source: Any) -> Any:
 
     def handler(tx: Any, args: list[Any], kwargs: dict[str, Any]) -> Any:
         fsdp.check_state(tx, [state_vt], {})
+        _refuse_untraceable_pass(tx, state_vt, pre=impl is group_pre_forward)
         return _compat.user_function_variable(impl).call_function(tx, [state_vt, *args], kwargs)
 
     log.debug("FSDP2 module group hook %s traced", impl.__name__)
@@ -126,6 +120,4 @@ def register() -> None:
     if codes is None:
         log.debug("FSDP2 module-group hooks not recognised on this torch release: they run eagerly")
         return
-    register_handler(group_outside_forward, _outside_forward_handler)
-    register_handler(started_eagerly, _started_eagerly_handler)
     registry.register_variable(codes[0], _build_group_hook, match="code")
