@@ -22,7 +22,9 @@ trace time on the real FSDP state, as the root's first eager pre-forward would.
 Streams, prefetching and memory reuse are eager-only concerns: inside a graph
 the scheduler and Inductor order the collectives.  Settings whose eager
 reduction differs (:func:`untraced_reasons`) break the graph so FSDP2's own
-hooks run; the settings are guarded (:data:`CONFIG_GUARD`).
+hooks run; the settings are guarded (:data:`CONFIG_GUARD`).  Module groups
+(``fully_shard([norm, output])``, one state for several modules) reach the
+same pre- and post-forward through their own hooks (``fsdp_groups.py``).
 """
 
 from __future__ import annotations

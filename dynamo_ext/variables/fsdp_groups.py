@@ -31,7 +31,9 @@ own, e.g. the output projection of a chunked loss after the model's forward)
 is finished in eager FSDP2 by its backward's final callback, which the traced
 backward does not run: that call breaks the graph
 (``dynamo_ext: FSDP2 setting not traced``) and FSDP2's hooks run eagerly, as
-does a pass that eager FSDP2 hooks started (after such a break).
+does a pass that eager FSDP2 hooks started (after a graph break or a skipped
+frame, as in transformers' Mixtral, whose expert dispatch skips the frames
+above it).
 """
 
 from __future__ import annotations
