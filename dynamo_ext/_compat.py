@@ -383,6 +383,56 @@ def fsdp_single_param_group() -> bool:
 
 
 @functools.cache
+def fsdp_group_hook_codes() -> tuple[Any, Any, Any] | None:
+    """Code objects of the forward hooks ``fully_shard([a, b, ...])`` registers, or ``None``.
+
+    Returns ``(wrapper, pre, post)``: the code of FSDP2's ``_dynamo_disable``
+    wrapper (the hook object a module holds) and of the group pre- and
+    post-hooks it wraps (``hook.__wrapped__``; ``hook.__wrapped__.__wrapped__``
+    is the state's bound ``_pre_forward`` / ``_post_forward``).  Probed by
+    behaviour on two bare modules: ``None`` unless the hooks behave as the
+    plugin's mirror (``variables/fsdp_groups.py``) assumes: the pre-hook runs
+    the state's pre-forward at every module of the group, the post-hook runs
+    the state's post-forward at the last module of the pass and only casts the
+    output (``cast_output_dtype``) at the others.
+    """
+    register = optional_attr(f"{_FSDP}._fsdp_state", "_register_group_forward_hooks")
+    if register is None or "cast_output_dtype" not in inspect.signature(register).parameters:
+        return None
+    calls: list[str] = []
+
+    def pre(module: Any, args: Any, kwargs: Any) -> Any:
+        calls.append(f"pre {module.name}")
+        return args, kwargs
+
+    def post(module: Any, input: Any, output: Any) -> Any:
+        calls.append(f"post {module.name}")
+        return output
+
+    def cast(output: Any) -> Any:
+        calls.append("cast")
+        return output
+
+    a, b = torch.nn.Module(), torch.nn.Module()
+    a.name, b.name = "a", "b"
+    handle = register((a, b), pre, post, set(), cast)
+    try:
+        pre_hooks = [next(iter(m._forward_pre_hooks.values())) for m in (a, b)]
+        post_hooks = [next(iter(m._forward_hooks.values())) for m in (a, b)]
+        for m, pre_hook, post_hook in zip((a, b), pre_hooks, post_hooks):
+            pre_hook(m, (), {})
+            post_hook(m, (), None)
+        inner = [getattr(h, "__wrapped__", None) for h in (pre_hooks[0], post_hooks[0])]
+        if calls != ["pre a", "cast", "pre b", "post b"] or any(getattr(i, "__wrapped__", None) is None for i in inner):
+            return None
+        return pre_hooks[0].__code__, inner[0].__code__, inner[1].__code__
+    except Exception:  # a release whose group hooks look otherwise: not traced
+        return None
+    finally:
+        handle.remove()
+
+
+@functools.cache
 def fsdp_ddp_mesh_info() -> Any:
     """FSDP2's ``DDPMeshInfo`` class (an HSDP mesh's info is one), ``None`` where absent."""
     return optional_attr(f"{_FSDP}._fsdp_common", "DDPMeshInfo")

@@ -36,9 +36,14 @@ class Block(nn.Module):
 
 
 class Net(nn.Module):
-    """``[B, hidden] -> [B, hidden]``: an input projection, 2 residual blocks, an output projection."""
+    """``[B, hidden] -> [B, hidden]``: an input projection, 2 residual blocks, an output projection.
 
-    def __init__(self, *, tied: bool = False, checkpoint: str = "", hidden: int = HIDDEN, inner: int = INNER) -> None:
+    With ``norm``, a ``LayerNorm`` before the output projection (the final norm of a language model).
+    """
+
+    def __init__(
+        self, *, tied: bool = False, checkpoint: str = "", hidden: int = HIDDEN, inner: int = INNER, norm: bool = False
+    ) -> None:
         super().__init__()
         self.inp = nn.Linear(hidden, hidden, bias=False)
         inside = checkpoint == "inside"  # activation checkpointing inside each block, or "outside" around it
@@ -47,6 +52,7 @@ class Net(nn.Module):
         if tied:
             self.out.weight = self.inp.weight
         self.checkpoint_outside = checkpoint == "outside"
+        self.norm = nn.LayerNorm(hidden) if norm else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.inp(x)
@@ -55,6 +61,8 @@ class Net(nn.Module):
                 h = torch.utils.checkpoint.checkpoint(block, h, use_reentrant=False)
             else:
                 h = block(h)
+        if self.norm is not None:
+            h = self.norm(h)
         return self.out(h)
 
 
@@ -71,20 +79,30 @@ def build(
     force_sum: bool = False,
     hidden: int = HIDDEN,
     inner: int = INNER,
+    group: bool = False,
     **_: Any,
 ) -> nn.Module:
-    """The model sharded with ``fully_shard`` on a 1-D mesh (or FSDP over TP on a ``(2, W/2)`` mesh)."""
+    """The model sharded with ``fully_shard`` on a 1-D mesh (or FSDP over TP on a ``(2, W/2)`` mesh).
+
+    ``group``: a final ``LayerNorm`` and the output projection sharded as one FSDP2 module group,
+    ``fully_shard([net.norm, net.out])`` (torchtitan's plan for the final norm and the lm head); with
+    ``tp`` the output projection is also ``ColwiseParallel`` (its output gathered to ``Replicate``).
+    """
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     torch.manual_seed(0)
-    net = Net(tied=tied, checkpoint=checkpoint, hidden=hidden, inner=inner)
+    net = Net(tied=tied, checkpoint=checkpoint, hidden=hidden, inner=inner, norm=group)
     if tp:
         from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
         mesh2d = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "tp"))
         for block in net.blocks:
             parallelize_module(block, mesh2d["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
+        if group:
+            from torch.distributed.tensor import Replicate
+
+            parallelize_module(net.out, mesh2d["tp"], ColwiseParallel(output_layouts=Replicate()))
         mesh = mesh2d["dp"]
     else:
         mesh = init_device_mesh("cpu", (world,))
@@ -94,6 +112,8 @@ def build(
     if nested:
         for block in net.blocks:
             fully_shard(block, **kwargs)
+    if group:
+        fully_shard([net.norm, net.out], **kwargs)
     fully_shard(net, **kwargs)
     for module in net.modules():
         if divide_factor is not None and hasattr(module, "set_gradient_divide_factor"):

@@ -3,20 +3,13 @@
 
 What the audit finds on torch 2.13 (asserted exactly below, so a change in either direction shows up):
 
-- one graph break, 3 times per rank, at ``return self.output(self.norm(h))``: torchtitan shards ``[norm, output]``
-  as one FSDP2 module group (``fully_shard([model.norm, model.output])``), whose hooks are per-group closures
-  FSDP2 marks ``torch._dynamo.disable``; the plugin traces the hooks of single-module FSDP2 states only, so
-  stock Dynamo's "Attempted to call function marked as skipped" break runs them eagerly;
-- after it, Dynamo compiles TP's module hooks of ``norm`` and ``output`` as frames of their own: the one
-  ``distribute_module`` pre-hook lambda recompiles once (a plain tensor into ``norm``, a DTensor into ``output``),
-  and ColwiseParallel's ``_prepare_output_fn`` is a graph;
-- five graphs: the model up to the break (all of both blocks, FSDP2's gathers and reduce-scatters traced), the
-  two hook-lambda graphs, the output hook, and the loss (three all-reduces over "tp" under loss parallel);
-- 0 numerics mismatches in 43 tensors per rank (loss, 21 gradients, 21 parameters after AdamW): the eager
-  FSDP2 hooks of the group and the traced ones of every other module give eager's gradients.
+- no graph break and no recompile: the forward and the loss are one graph, with the hooks of every FSDP2
+  state traced, the ``[norm, output]`` module group (``fully_shard([model.norm, model.output])``) included
+  (its parameters all-gathered once, at ``norm``), and TP's module hooks inlined;
+- 0 numerics mismatches in 43 tensors per rank (loss, 21 gradients, 21 parameters after AdamW).
 
-The collective counts cover the compiled graphs only, so they are below eager ``CommDebugMode``'s, which also
-counts the eagerly run group (its flat all-gather and reduce-scatter) and the backward of the eager parts.
+The collective counts cover the compiled graph only; eager ``CommDebugMode`` counts FSDP2's flat all-gather
+and reduce-scatter per parameter group where the graph has one per parameter.
 """
 
 from __future__ import annotations
@@ -28,7 +21,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from test_audit_e2e import REPO, cli, marker_line
+from test_audit_e2e import REPO, cli
 
 EXAMPLE = REPO / "examples" / "titan_llama_audit.py"
 
@@ -58,37 +51,17 @@ def test_titan_llama_training_step_audit():
         report = json.loads(out.read_text())
     example = "examples/titan_llama_audit.py"
     assert report["totals"] == {
-        "graph_breaks": 3,
-        "recompiles": 1,
-        "graphs": 5,
+        "graph_breaks": 0,
+        "recompiles": 0,
+        "graphs": 1,
         "hang_risks": [],
         "numerics_mismatches": 0,
-        "comm_bytes_per_step": 433024,
+        "comm_bytes_per_step": 474496,
     }, report["totals"]
+    assert report["graph_breaks"] == [] and report["recompiles"] == []
 
-    (brk,) = report["graph_breaks"]
-    assert (brk["gb_type"], brk["file"], brk["line"], brk["source"]) == (
-        "Attempted to call function marked as skipped",
-        example,
-        marker_line(EXAMPLE, "return self.output(self.norm(h))"),
-        "return self.output(self.norm(h))",
-    ), brk
-    assert brk["distributed"] and brk["phase"] == "forward" and not brk["hang_risk"], brk
-    assert brk["count_by_rank"] == [[r, 3] for r in range(4)], brk
-
-    (rec,) = report["recompiles"]
-    assert (rec["function"], rec["file"]) == ("<lambda>", "torch/distributed/tensor/_api.py"), rec
-    assert "expected type of 'inputs[0]' to be a tensor type" in rec["reason"] and "DTensor" in rec["reason"], rec
-    assert rec["count_by_rank"] == [[r, 1] for r in range(4)], rec
-
-    graphs = sorted((g["file"], g["id"].split(" |")[0].split(" ")[-1], g["phase"]) for g in report["graphs"])
-    assert graphs == [
-        (example, "forward", "forward"),
-        (example, "forward_loss", "forward"),
-        ("torch/distributed/tensor/_api.py", "<lambda>", "forward"),
-        ("torch/distributed/tensor/_api.py", "<lambda>", "forward"),
-        ("torch/distributed/tensor/parallel/style.py", "_prepare_output_fn", "forward"),
-    ], graphs
+    graphs = [(g["file"], g["id"].split(" |")[0].split(" ")[-1], g["phase"]) for g in report["graphs"]]
+    assert graphs == [(example, "forward_loss", "forward")], graphs
     assert all(g["ranks"] == [0, 1, 2, 3] for g in report["graphs"])
 
     assert report["numerics"] == {"compared": 43, "ranks": [0, 1, 2, 3], "mismatches": []}, report["numerics"]
@@ -97,29 +70,28 @@ def test_titan_llama_training_step_audit():
 
 def _check_comm(comm, example):
     runs = [c for c in comm["collectives"] if not c["inlined"]]
-    assert len(runs) == len(comm["collectives"]) == 88, len(comm["collectives"])
+    assert len(runs) == len(comm["collectives"]) == 95, len(comm["collectives"])
     by = Counter(
         (c["graph"].split(" |")[0].split(" ")[-1], c["graph_kind"], c["kind"], c["mesh_axis"], c["origin"])
         for c in runs
     )
     assert by == {
-        # the model's graph: FSDP2's per-parameter all-gathers over "dp" (embedding + 9 per block) ...
-        ("forward", "forward", "all_gather", "dp", "fsdp"): 19,
-        # ... PrepareModuleInput's Shard(1) -> Replicate gathers before attention and feed-forward ...
-        ("forward", "forward", "all_gather", "tp", "dtensor"): 4,
-        # ... and the rowwise embedding, wo and w2 reduce-scattering to Shard(1) (sequence parallel)
-        ("forward", "forward", "reduce_scatter", "tp", "dtensor"): 5,
-        # its backward: the blocks re-gathered (reshard_after_forward; the embedding's backward needs no weight),
-        ("forward", "backward", "all_gather", "dp", "fsdp"): 18,
-        ("forward", "backward", "all_gather", "tp", "dtensor"): 9,
-        ("forward", "backward", "reduce_scatter", "tp", "dtensor"): 6,
-        # FSDP2's per-parameter gradient reduce-scatters, and the Replicate-on-"tp" norm weights' all-reduces
-        ("forward", "backward", "reduce_scatter", "dp", "fsdp"): 19,
-        ("forward", "backward", "all_reduce", "tp", "fsdp"): 4,
-        # output's input (Shard(1) -> Replicate), in TP's hook compiled after the break
-        ("<lambda>", "forward", "all_gather", "tp", "dtensor"): 1,
-        # loss parallel: the max, the sum of exponentials and the target logits over the vocabulary shards
+        # one graph: FSDP2's per-parameter all-gathers over "dp" (embedding, 9 per block, the [norm, output] group) ...
+        ("forward_loss", "forward", "all_gather", "dp", "fsdp"): 21,
+        # ... PrepareModuleInput's Shard(1) -> Replicate gathers before attention and feed-forward, and output's ...
+        ("forward_loss", "forward", "all_gather", "tp", "dtensor"): 5,
+        # ... the rowwise embedding, wo and w2 reduce-scattering to Shard(1) (sequence parallel) ...
+        ("forward_loss", "forward", "reduce_scatter", "tp", "dtensor"): 5,
+        # ... and loss parallel: the max, the sum of exponentials and the target logits over the vocabulary shards
         ("forward_loss", "forward", "all_reduce", "tp", "dtensor"): 3,
+        # its backward: the blocks re-gathered (reshard_after_forward; the embedding's backward needs no weight,
+        # the group keeps its unsharded parameters: reshard_after_forward=False),
+        ("forward_loss", "backward", "all_gather", "dp", "fsdp"): 18,
+        ("forward_loss", "backward", "all_gather", "tp", "dtensor"): 9,
+        ("forward_loss", "backward", "reduce_scatter", "tp", "dtensor"): 8,
+        # FSDP2's per-parameter gradient reduce-scatters, and the Replicate-on-"tp" norm weights' all-reduces
+        ("forward_loss", "backward", "reduce_scatter", "dp", "fsdp"): 21,
+        ("forward_loss", "backward", "all_reduce", "tp", "fsdp"): 5,
     }, by
     for c in runs:
         assert c["line"] > 0 and c["file"] and c["sent"] > 0 and c["bytes_in"] > 0, c
@@ -129,13 +101,19 @@ def _check_comm(comm, example):
     assert block_modules == {
         f"layers.{i}.{m}" for i in (0, 1) for m in ("attention", "attention.wo", "feed_forward", "feed_forward.w2")
     }, block_modules
-    assert comm["bytes_by_rank"] == [[r, 433024] for r in range(4)] and comm["missing"] == [], comm["bytes_by_rank"]
-    # Compiled graphs only (the group's FSDP2 hooks and the backward of the eager hook frames run eagerly).
+    # the group's gathers sit at its first module called
+    assert {c["module"] for c in runs if c["origin"] == "fsdp" and c["graph_kind"] == "forward"} == {
+        "tok_embeddings",
+        "layers.0",
+        "layers.1",
+        "norm",
+    }
+    assert comm["bytes_by_rank"] == [[r, 474496] for r in range(4)] and comm["missing"] == [], comm["bytes_by_rank"]
     assert comm["counts"] == [
         ["backward", "all_gather", 11],
-        ["backward", "all_reduce", 2],
-        ["backward", "reduce_scatter", 9],
-        ["forward", "all_gather", 8],
+        ["backward", "all_reduce", 3],
+        ["backward", "reduce_scatter", 12],
+        ["forward", "all_gather", 9],
         ["forward", "all_reduce", 3],
         ["forward", "reduce_scatter", 5],
     ], comm["counts"]

@@ -22,6 +22,7 @@ def install(patches: Patcher) -> None:
         dtensor,
         fsdp,
         fsdp_eager,
+        fsdp_groups,
         placement,
         process_group,
     )
@@ -35,6 +36,7 @@ def install(patches: Patcher) -> None:
     c10d_queries.register()
     collectives.register()
     fsdp.register()
+    fsdp_groups.register()
     fsdp_eager.install(patches)
     accumulate_grad.register()
     dtensor.register(patches)

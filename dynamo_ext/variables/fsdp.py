@@ -22,7 +22,9 @@ trace time on the real FSDP state, as the root's first eager pre-forward would.
 Streams, prefetching and memory reuse are eager-only concerns: inside a graph
 the scheduler and Inductor order the collectives.  Settings whose eager
 reduction differs (:func:`untraced_reasons`) break the graph so FSDP2's own
-hooks run; the settings are guarded (:data:`CONFIG_GUARD`).
+hooks run; the settings are guarded (:data:`CONFIG_GUARD`).  Module groups
+(``fully_shard([norm, output])``, one state for several modules) reach the
+same pre- and post-forward through their own hooks (``fsdp_groups.py``).
 """
 
 from __future__ import annotations
@@ -164,10 +166,16 @@ def param_groups(state: Any) -> list[Any]:
 
 
 def pre_forward(state: Any, module: Any, args: Any, kwargs: Any) -> Any:
-    """Traceable ``FSDPState._pre_forward``: unshard every parameter of the state's groups."""
-    policy = state._mp_policy
-    if policy.cast_forward_inputs and policy.param_dtype is not None:
-        args, kwargs = _cast_floats((args, kwargs), policy.param_dtype)
+    """Traceable ``FSDPState._pre_forward``: unshard every parameter of the state's groups.
+
+    The first state to run forward is the iteration's forward root
+    (``iter_forward_root``), as in eager FSDP2: its post-forward finishes the
+    module groups whose pass did not reach their last module.
+    """
+    ctx = state._state_ctx
+    if ctx.iter_forward_root is None:
+        ctx.iter_forward_root = state
+    args, kwargs = cast_inputs(state, args, kwargs)
     for group in param_groups(state):
         for fsdp_param in group.fsdp_params:
             _set_param(fsdp_param, unshard_param(group, fsdp_param))
@@ -176,9 +184,37 @@ def pre_forward(state: Any, module: Any, args: Any, kwargs: Any) -> Any:
 
 def post_forward(state: Any, module: Any, input: Any, output: Any) -> Any:
     """Traceable ``FSDPState._post_forward``: put the sharded parameters back."""
+    reshard(state)
+    ctx = state._state_ctx
+    if ctx.iter_forward_root is state:
+        # FSDPState._force_complete_incomplete_states: a module group (fully_shard([a, b]))
+        # whose pass skipped a module is finished by the forward root.
+        for other in reversed(ctx.all_states):
+            if other is not state and len(other._modules) > 1 and len(other._modules_to_run_forward) > 0:
+                reshard(other)
+                output = cast_output(other, output)
+                other._modules_to_run_forward.clear()
+        ctx.iter_forward_root = None
+    return cast_output(state, output)
+
+
+def reshard(state: Any) -> None:
+    """Set the sharded parameters of every group of ``state`` back on their modules."""
     for group in param_groups(state):
         for fsdp_param in group.fsdp_params:
             _set_param(fsdp_param, fsdp_param.sharded_param)
+
+
+def cast_inputs(state: Any, args: Any, kwargs: Any) -> Any:
+    """``FSDPState._cast_forward_inputs``: floating-point inputs to ``param_dtype`` when the policy says so."""
+    policy = state._mp_policy
+    if policy.cast_forward_inputs and policy.param_dtype is not None:
+        args, kwargs = _cast_floats((args, kwargs), policy.param_dtype)
+    return args, kwargs
+
+
+def cast_output(state: Any, output: Any) -> Any:
+    """``FSDPState._cast_output_dtype``: floating-point outputs to ``output_dtype`` when set."""
     if state._mp_policy.output_dtype is not None:
         output = _cast_floats(output, state._mp_policy.output_dtype)
     return output
@@ -260,7 +296,7 @@ def describe_config(old: tuple[Any, ...], new: tuple[Any, ...]) -> str | None:
 CONFIG_GUARD = GuardSpec("FSDP2 settings", config_record, describe_config, identity_fast_path=False)
 
 
-def _check_state(tx: Any, args: list[Any], kwargs: dict[str, Any]) -> None:
+def check_state(tx: Any, args: list[Any], kwargs: dict[str, Any]) -> None:
     """Lazy-init the real FSDP state at trace time; refuse layouts and settings we do not trace."""
     state = getattr(args[0], "value", None)
     if state is None:
@@ -306,5 +342,5 @@ def register() -> None:
     if state_cls is None:
         return
     register_handler(gather_with_fsdp_backward, _gather_handler)
-    register_polyfill(state_cls.__dict__["_pre_forward"], pre_forward, check=_check_state)
-    register_polyfill(state_cls.__dict__["_post_forward"], post_forward, check=_check_state)
+    register_polyfill(state_cls.__dict__["_pre_forward"], pre_forward, check=check_state)
+    register_polyfill(state_cls.__dict__["_post_forward"], post_forward, check=check_state)

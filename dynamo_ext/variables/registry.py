@@ -1,7 +1,8 @@
 """The one table that maps Python objects to dynamo-ext VariableTrackers.
 
 An entry matches a value by identity (functions such as ``dist.broadcast``),
-by exact type, by subclass (instances of ``Placement`` subclasses users
+by code (functions made at run time from one ``def``, such as the hook
+closures FSDP2 makes per ``fully_shard`` call), by exact type, by subclass (instances of ``Placement`` subclasses users
 write), or by class (the value is itself a class deriving from the key, such
 as ``Shard``).  Dynamo's
 ``VariableBuilder`` (values with a source: arguments, globals, closures,
@@ -24,9 +25,11 @@ from .. import _compat
 from .._patching import Patcher
 
 Builder = Callable[[Any, Any, Any], Any]
-Match = Literal["identity", "type", "subclass", "class"]
+Match = Literal["identity", "code", "type", "subclass", "class"]
 
 _by_id: dict[int, tuple[Any, Builder]] = {}
+# match="code": the value is a function whose ``__code__`` is the key (its builder may return None).
+_by_code: dict[types.CodeType, Builder] = {}
 _by_type: dict[type, Builder] = {}
 _by_subclass: list[tuple[type, Builder]] = []
 # match="class": the value is itself a class deriving from the key (Shard, user Placements).
@@ -47,6 +50,13 @@ def register_variable(key: Any, builder: Builder, *, match: Match = "type") -> N
             raise ValueError(f"{key!r} already has a dynamo-ext variable builder")
         _by_id[id(key)] = (key, builder)
         return
+    if match == "code":
+        if not isinstance(key, types.CodeType):
+            raise TypeError(f"register_variable(match='code') needs a code object, got {key!r}")
+        if key in _by_code:
+            raise ValueError(f"code {key.co_name} already has a dynamo-ext variable builder")
+        _by_code[key] = builder
+        return
     if not isinstance(key, type):
         raise TypeError(f"register_variable(match={match!r}) needs a class, got {key!r}")
     if match == "type":
@@ -59,7 +69,7 @@ def register_variable(key: Any, builder: Builder, *, match: Match = "type") -> N
             raise ValueError(f"class {key.__qualname__} already has a dynamo-ext {match} builder")
         table.append((key, builder))
     else:
-        raise ValueError(f"match must be 'identity', 'type' or 'subclass', got {match!r}")
+        raise ValueError(f"match must be 'identity', 'code', 'type', 'subclass' or 'class', got {match!r}")
     _type_cache.clear()
 
 
@@ -67,6 +77,9 @@ def unregister_variable(key: Any, *, match: Match = "type") -> None:
     """Remove ``key``'s builder.  Raises ``KeyError`` when it was not registered."""
     if match == "identity":
         del _by_id[id(key)]
+        return
+    if match == "code":
+        del _by_code[key]
         return
     if match == "type":
         del _by_type[key]
@@ -87,6 +100,10 @@ def lookup(value: Any) -> Builder | None:
     if type(value) is types.MethodType:  # a bound method of a registered function
         hit = _by_id.get(id(value.__func__))
         return hit[1] if hit is not None and hit[0] is value.__func__ else None
+    if _by_code and type(value) is types.FunctionType:
+        found = _by_code.get(value.__code__)
+        if found is not None:
+            return found
     if _by_class and isinstance(value, type):
         for k, b in _by_class:
             if issubclass(value, k):
@@ -106,6 +123,7 @@ def lookup(value: Any) -> Builder | None:
 def clear() -> None:
     """Forget every entry (``uninstall()``)."""
     _by_id.clear()
+    _by_code.clear()
     _by_type.clear()
     _by_subclass.clear()
     _by_class.clear()
