@@ -393,6 +393,27 @@ class AuditReport:
         )
 
     @property
+    def failures(self) -> tuple[str, ...]:
+        """What went wrong in this run, ranks that raised the same thing on one line.
+
+        ``"ranks 0–3 raised RuntimeError: the compiled step differs from eager: ..."`` (a message's own
+        ``"rank R: "`` prefix is dropped so that equal failures group); the launcher's other lines
+        (a timeout, a rank that died without a word) follow as they are.  Empty when :attr:`ok`.
+        """
+        from .ranges import format_ranks, group_by
+
+        raised = [
+            (r.rank, r.error.replace(f"rank {r.rank}: ", "", 1)) for r in self.ranks if r.status == "error" and r.error
+        ]
+        lines = [f"rank{'s' if len(rs) > 1 else ''} {format_ranks(rs)} raised {msg}" for msg, rs in group_by(raised)]
+        said = {r for r, _ in raised}
+        for e in self.errors:
+            head = e.split(" raised ", 1)[0]
+            if not (head.startswith("rank ") and head[5:].isdigit() and int(head[5:]) in said):
+                lines.append(e)
+        return tuple(lines)
+
+    @property
     def ok(self) -> bool:
         """Every rank finished and nothing went wrong in the launcher."""
         return not self.errors and all(r.status == "ok" for r in self.ranks)
