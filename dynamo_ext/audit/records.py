@@ -320,6 +320,24 @@ class ModuleComm:
 
 
 @dataclasses.dataclass(frozen=True)
+class CountDifference:
+    """Where the compiled collective count of one (phase, kind) differs from eager ``CommDebugMode``'s, and why.
+
+    ``compiled``/``eager``: the two counts; ``reasons``: one line per module (or the root's own, or
+    outside any module) whose counts differ, with its cause in words (NOTE [count differences] in
+    ``audit/comm_explain.py``); ``unexplained``: what no reason covers (``""`` when every difference
+    has one; else the report says MISMATCH).
+    """
+
+    phase: str
+    kind: str
+    compiled: int
+    eager: int
+    reasons: tuple[str, ...]
+    unexplained: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
 class Comm:
     """The communication report: every collective of every compiled graph, and totals.
 
@@ -329,7 +347,8 @@ class Comm:
     (phase, kind), FSDP2's per-parameter collectives counted once per FSDP
     group and phase as eager FSDP2 issues them (the like-with-like count);
     ``eager_counts``: ``CommDebugMode``'s counts of the eager step, mapped to
-    the same kinds (``None``: the numerics check did not run).  ``missing``: graphs
+    the same kinds (``None``: the numerics check did not run); ``count_differences``: where
+    the two differ, and why (:class:`CountDifference`).  ``missing``: graphs
     with collectives that were not analysed (the report and its totals are
     incomplete; ``--comm-budget`` then fails).
     """
@@ -342,6 +361,7 @@ class Comm:
     counts: tuple[tuple[str, str, int], ...]
     eager_counts: tuple[tuple[str, str, int], ...] | None = None
     missing: tuple[str, ...] = ()
+    count_differences: tuple[CountDifference, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -581,6 +601,9 @@ def _comm_from_json(c: dict[str, Any] | None) -> Comm | None:
         counts=triples(c["counts"]),
         eager_counts=None if c.get("eager_counts") is None else triples(c["eager_counts"]),
         missing=tuple(c.get("missing", ())),
+        count_differences=tuple(
+            CountDifference(**{**d, "reasons": tuple(d["reasons"])}) for d in c.get("count_differences", ())
+        ),
     )
 
 
