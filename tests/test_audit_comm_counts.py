@@ -2,12 +2,18 @@
 
 Tier 1 on merged rank events (NOTE [count differences] in dynamo_ext/audit/comm_explain.py); the real runs are
 tests/test_audit_titan_llama.py (a module group behind a graph break, a hook compiled as its own frame) and
-tests/test_audit_example.py (counts equal).
+tests/test_audit_example.py (counts equal); one small real run here (a module behind a graph break).
 """
 
 from __future__ import annotations
 
+import json
+import tempfile
+from pathlib import Path
+
+import pytest
 from test_audit_comm import _coll
+from test_audit_e2e import REPO, TARGETS, cli, marker_line
 
 from dynamo_ext.audit.comm_merge import eager_module_path
 from dynamo_ext.audit.comm_render import counts_line
@@ -121,3 +127,25 @@ def test_eager_module_names_as_the_report_writes_them():
     assert eager_module_path("Transformer.layers.0._checkpoint_wrapped_module.attention") == "layers.0.attention"
     assert eager_module_path("Transformer") == "<root>"
     assert eager_module_path("Global") == "Global"
+
+
+@pytest.mark.gloo
+@pytest.mark.slow
+def test_module_run_eagerly_behind_a_break_is_the_reason_on_a_real_run():
+    """2 gloo ranks: ``second``'s FSDP2 collectives run eagerly behind a break; the report names it, nothing else."""
+    target = TARGETS / "eager_fsdp_module.py"
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "out.json"
+        proc = cli("--nproc", "2", "--check-numerics", "--quiet", "--json", str(out), str(target.relative_to(REPO)))
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        comm = json.loads(out.read_text())["comm"]
+    assert comm["counts"] == [["backward", "reduce_scatter", 1], ["forward", "all_gather", 1]]  # `first`, traced
+    diffs = {(d["phase"], d["kind"]): d for d in comm["count_differences"]}
+    assert set(diffs) == {("forward", "all_gather"), ("backward", "reduce_scatter"), ("backward", "all_gather")}
+    brk = f"graph breaks at tests/audit_targets/eager_fsdp_module.py:{marker_line(target, '# the graph break')}"
+    assert diffs["forward", "all_gather"]["reasons"] == [
+        f"second: compiled 0, eager 1: no compiled graph has a collective of it: ran eagerly ({brk})"
+    ]
+    for d in diffs.values():
+        assert d["unexplained"] == "" and d["eager"] > d["compiled"], d
+        assert [r.split(":")[0] for r in d["reasons"]] == ["second"], d
