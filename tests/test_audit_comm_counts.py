@@ -123,6 +123,34 @@ def test_an_eager_backward_and_graph_breaks_named_in_reasons():
     assert d.unexplained == "layers.0: compiled 0, eager 1"  # layers.0 has compiled backward collectives
 
 
+def test_fsdp_hooks_run_eagerly_around_compiled_blocks_are_the_c10d_surplus():
+    """Each block compiled on its own (torchtitan's way): DTensor's gathers compiled, FSDP2's hooks eager (c10d ops)."""
+    tp_ag = [_coll(i, "all_gather_into_tensor", "all_gather", origin="dtensor", module="layers.0.attention")
+             for i in range(2)]  # fmt: skip
+    modules = {"Global": {"forward": {"all_gather": 3}}, "<root>": {"forward": {"all_gather": 3}},
+               "layers.0": {"forward": {"all_gather": 3}}}  # fmt: skip
+    c10d = {"Global": {"forward": {"all_gather": 1}}, "<root>": {"forward": {"all_gather": 1}},
+            "layers.0": {"forward": {"all_gather": 1}}}  # fmt: skip
+    events = [
+        _compile("0/0", "forward"),
+        {"ev": "comm_graph", "compile_id": "0/0", "graph": "forward", "aot_id": 0, "inlined_aot_ids": [],
+         "collectives": tp_ag},
+        {"ev": "end", "counters": {}},
+        {"ev": "numerics", "compared": 1, "mismatches": [],
+         "eager_comm": {"forward": {"all_gather": 3}, "backward": {}, "modules": modules, "modules_c10d": c10d}},
+    ]  # fmt: skip
+    (d,) = merge({0: events}, target="t", world_size=1, backend="").comm.count_differences
+    assert (d.compiled, d.eager, d.unexplained) == (2, 3, "")
+    assert d.reasons == (
+        "layers.0: compiled 2, eager 3: its 1 c10d collective(s) (FSDP2's hooks, explicit dist calls) ran eagerly, "
+        "outside the compiled graphs, which have its 2 DTensor one(s)",
+    )
+    # without the c10d split the same difference cannot be told apart from a wrong count
+    del events[-1]["eager_comm"]["modules_c10d"]
+    (d,) = merge({0: events}, target="t", world_size=1, backend="").comm.count_differences
+    assert d.unexplained == "layers.0: compiled 2, eager 3"
+
+
 def test_eager_module_names_as_the_report_writes_them():
     assert eager_module_path("Transformer.layers.0._checkpoint_wrapped_module.attention") == "layers.0.attention"
     assert eager_module_path("Transformer") == "<root>"

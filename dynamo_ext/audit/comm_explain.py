@@ -21,6 +21,11 @@ differences therefore add up to the total difference, and each gets a reason:
 - compiled only, outside any module: a graph compiled from a hook or function
   that is no module (its collectives have no module path), which eager counts
   in the module whose hook ran it;
+- a unit with compiled collectives whose eager count has more: when its
+  DTensor (functional) collectives agree and no compiled graph has an FSDP2 or
+  explicit collective of it, the eager surplus is c10d's own ops (FSDP2's hooks,
+  explicit ``dist`` calls) that ran eagerly (``CommDebugMode`` counts those
+  apart: ``modules_c10d`` of :func:`.comm_merge.count_eager`);
 - anything else is left unexplained and the report says MISMATCH.
 """
 
@@ -68,13 +73,15 @@ def explain_counts(
     colls: list[Collective],
     counted: list[Collective],
     breaks: list[str],
+    eager_c10d: dict[str, dict[str, dict[str, int]]] | None = None,
 ) -> tuple[CountDifference, ...]:
     """One :class:`.records.CountDifference` per (phase, kind) whose counts differ (NOTE [count differences]).
 
     ``like``/``eager``: the two counts per (phase, kind); ``eager_modules``: ``CommDebugMode``'s per-module
     counts (:func:`.comm_merge.count_eager`), ``None`` when the rank files have none (then every difference
     is unexplained); ``colls``: every collective of the report; ``counted``: those ``like`` counts (the
-    like-with-like selection); ``breaks``: ``"file:line"`` of the report's graph breaks, named in reasons.
+    like-with-like selection); ``breaks``: ``"file:line"`` of the report's graph breaks, named in reasons;
+    ``eager_c10d``: the per-module counts of c10d's own ops (``None``: not recorded).
     """
     out = []
     for phase, kind in sorted(set(like) | set(eager)):
@@ -86,13 +93,16 @@ def explain_counts(
             continue
         tops = _top_levels(set(eager_modules))
         mine: dict[str, int] = defaultdict(int)
+        mine_c10d: dict[str, int] = defaultdict(int)  # FSDP2's and explicit ones: c10d ops when eager
         graphs: dict[str, set[str]] = defaultdict(set)
         for c in counted:
             if c.phase == phase and c.kind == kind:
                 mine[_unit(c.module, tops)] += 1
+                mine_c10d[_unit(c.module, tops)] += c.origin in ("fsdp", "explicit")
                 graphs[_unit(c.module, tops)].add(c.graph)
         in_phase = {_unit(c.module, tops) for c in colls if c.phase == phase and not c.inlined}
         theirs = _eager_units(eager_modules, tops, phase, kind)
+        theirs_c10d = _eager_units(eager_c10d, tops, phase, kind) if eager_c10d is not None else {}
         # Compiled only outside any module: a hook's graph, whose collective eager counts in the hook's module.
         hooked = mine.get(OUTSIDE, 0) > theirs.get(OUTSIDE, 0)
         reasons, unexplained = [], []
@@ -107,6 +117,16 @@ def explain_counts(
                 at = f" (graph breaks at {', '.join(breaks[:3])}{', ...' if len(breaks) > 3 else ''})" if breaks else ""
                 also = f", or in a graph of no module ({OUTSIDE})" if hooked else ""
                 reasons.append(f"{where}: no compiled graph has a collective of it: ran eagerly{at}{also}")
+            elif (
+                unit in theirs_c10d
+                and mine_c10d.get(unit, 0) == 0
+                and theirs_c10d[unit] > 0
+                and x == y - theirs_c10d[unit]
+            ):
+                reasons.append(
+                    f"{where}: its {theirs_c10d[unit]} c10d collective(s) (FSDP2's hooks, explicit dist calls) ran "
+                    f"eagerly, outside the compiled graphs, which have its {x} DTensor one(s)"
+                )
             elif y == 0 and unit == OUTSIDE:
                 names = ", ".join(sorted({g.split(" | ")[0] for g in graphs[unit]}))
                 reasons.append(
@@ -119,9 +139,9 @@ def explain_counts(
     return tuple(out)
 
 
-def eager_modules_of(events: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, int]]] | None:
-    """The per-module eager counts of a rank's ``numerics`` event, ``None`` when it has none."""
+def eager_modules_of(events: list[dict[str, Any]], key: str = "modules") -> dict[str, dict[str, dict[str, int]]] | None:
+    """The per-module eager counts (``key``: ``"modules"`` or ``"modules_c10d"``) of a rank's ``numerics`` event."""
     for e in events:
         if e["ev"] == "numerics" and e.get("eager_comm"):
-            return e["eager_comm"].get("modules")
+            return e["eager_comm"].get(key)
     return None

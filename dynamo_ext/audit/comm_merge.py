@@ -69,11 +69,13 @@ def eager_module_path(name: str) -> str:
 def count_eager(into: dict[str, Any]) -> Iterator[None]:
     """Count the collectives run inside, per phase and kind, with ``CommDebugMode``; fills ``into`` on exit.
 
-    ``into`` becomes ``{"forward": {kind: n}, "backward": {kind: n}, "modules": {path: {phase: {kind: n}}}}``
-    (phases as ``CommDebugMode``'s module tracker sees them).  ``modules``: per module path
-    (:func:`eager_module_path`), the collectives issued while that module or one inside it ran
-    (``CommDebugMode.comm_module_counts``: a module's count includes its submodules'), ``"Global"`` the
-    whole step; what the communication report's count differences are explained with.
+    ``into`` becomes ``{"forward": {kind: n}, "backward": {kind: n}, "modules": {path: {phase: {kind: n}}},
+    "modules_c10d": ...}`` (phases as ``CommDebugMode``'s module tracker sees them).  ``modules``: per
+    module path (:func:`eager_module_path`), the collectives issued while that module or one inside it
+    ran (``CommDebugMode.comm_module_counts``: a module's count includes its submodules'), ``"Global"``
+    the whole step; ``modules_c10d``: the same for c10d's own ops only (``c10d._allgather_base_``: what
+    FSDP2's hooks and explicit ``dist`` calls issue; DTensor issues functional collectives).  What the
+    communication report's count differences are explained with (:mod:`.comm_explain`).
     """
     from torch.distributed.tensor.debug import CommDebugMode
 
@@ -81,22 +83,26 @@ def count_eager(into: dict[str, Any]) -> Iterator[None]:
     with mode:
         yield
     modules: dict[str, dict[str, dict[str, int]]] = {}
+    c10d: dict[str, dict[str, dict[str, int]]] = {}
     # A wrapper and the module it wraps share a path; the wrapper (the shorter name) counts both: it wins.
     for name, phases in sorted(mode.comm_module_counts.items(), key=lambda kv: len(str(kv[0]))):
         path = eager_module_path(str(name))
         if path in modules:
             continue
-        per_phase = {}
-        for phase in ("forward", "backward"):
-            per: dict[str, int] = defaultdict(int)
-            for op, n in phases.get(phase, {}).items():
-                per[eager_kind(str(op))] += int(n)
-            per_phase[phase] = dict(per)
-        modules[path] = per_phase
+        for into_modules, only_c10d in ((modules, False), (c10d, True)):
+            per_phase = {}
+            for phase in ("forward", "backward"):
+                per: dict[str, int] = defaultdict(int)
+                for op, n in phases.get(phase, {}).items():
+                    if not only_c10d or str(op).startswith("c10d."):
+                        per[eager_kind(str(op))] += int(n)
+                per_phase[phase] = dict(per)
+            into_modules[path] = per_phase
     glob = modules.get("Global", {})
     for phase in ("forward", "backward"):
         into[phase] = glob.get(phase, {})
     into["modules"] = modules
+    into["modules_c10d"] = c10d
 
 
 def eager_counted_step(spec: Any) -> tuple[Any, dict[str, Any]]:
@@ -238,14 +244,15 @@ def merge_comm(
     if eager is not None:
         from .comm_explain import eager_modules_of, explain_counts
 
-        rank = _numerics_rank(events_by_rank, ref)
+        events = events_by_rank.get(_numerics_rank(events_by_rank, ref) or 0, [])
         differences = explain_counts(
             like,
             {(ph, k): n for ph, k, n in eager},
-            eager_modules_of(events_by_rank.get(rank, [])) if rank is not None else None,
+            eager_modules_of(events),
             colls,
             counted,
             list(breaks),
+            eager_c10d=eager_modules_of(events, "modules_c10d"),
         )
     return Comm(
         collectives=tuple(colls),
