@@ -644,7 +644,11 @@ class TestNumerics(TestCase):
             second = numerics.check_step(numerics.as_step(_linear_step(True)()))
         numerics.check_step(numerics.as_step(_linear_step(True)()))  # outside: not observed
         self.assertEqual([{k: v for k, v in r.items() if k != "eager_comm"} for r in seen], [first, second])
-        self.assertEqual([r["eager_comm"] for r in seen], [{"forward": {}, "backward": {}}] * 2)  # no collective
+        empty = {"forward": {}, "backward": {}}
+        self.assertEqual(
+            [r["eager_comm"] for r in seen],
+            [{"forward": {}, "backward": {}, "modules": {"Global": empty}, "modules_c10d": {"Global": empty}}] * 2,
+        )  # no collective
         both = numerics.combine(seen)
         self.assertEqual(both["compared"], 10)
         self.assertEqual([m["index"] for m in both["mismatches"]], [5 + m["index"] for m in second["mismatches"]])

@@ -5,7 +5,11 @@ Exit status: 0 when the run finished and passed the gate; 1 when a budget
 ``--check-numerics`` found a tensor that differs between the compiled and the
 eager step, or a break that
 ``--baseline`` does not have appears; 2 on an error (bad input, a rank that
-raised, died or hung).  Reports asked for with ``--json``/``--html`` are written
+raised, died or hung).  With ``--compare-stock`` all of this is the plugin
+run's: a stock run whose ranks raise (wrong gradients the target's own check
+caught, a crash) is a finding of the stock column, printed and kept in the
+JSON's ``stock.errors``, not an error (NOTE [stock failures are findings] in
+:mod:`.render`).  Reports asked for with ``--json``/``--html`` are written
 in every case, with whatever was collected.  ``audit merge`` (:mod:`.merge_cli`)
 exits 1, not 2, for ranks that did not finish (NOTE [exit status: audit vs
 audit merge]).
@@ -40,7 +44,8 @@ def _parser() -> argparse.ArgumentParser:
         epilog="TARGET is a script path or module:function; without it, the bundled Llama TP+FSDP2 example "
         f"({DEFAULT_TARGET}, 4 ranks). Arguments after -- go to the target. Exit status: 0 passed; 1 the gate failed "
         "(budgets, --baseline, hang risks, numerics); 2 an error: bad input, or a rank raised, died (killed) or hung "
-        "past --timeout (the rank is named; --json/--html are still written with what was collected). "
+        "past --timeout (the rank is named; --json/--html are still written with what was collected); with "
+        "--compare-stock, of the plugin run (a failed stock run is a finding of the stock column). "
         "Also: dynamo-ext audit merge DIR (a job run under python -m dynamo_ext.audit.collect; exits 1 for ranks "
         "that did not finish), dynamo-ext audit diff OLD.json NEW.json",
     )
@@ -223,11 +228,19 @@ def _audit(argv: list[str]) -> int:
     _write(report, args, err)
     if not args.quiet:
         print_report(report)
-    errors = list(report.errors) + ([f"(stock run) {e}" for e in report.stock.errors] if report.stock else [])
-    if errors:
+    if report.stock is not None and report.stock.failures:
+        # NOTE [stock failures are findings] (render.py): the exit status is the plugin run's.
+        logs = sorted({r.log for r in report.stock.ranks if r.log})
+        suffix = f"; its rank logs under {os.path.commonpath(logs)}" if logs else ""
+        err.print(
+            f"dynamo-ext audit: stock run (a finding, not an error): {report.stock.failures[0]}{suffix}",
+            markup=False,
+            soft_wrap=True,
+        )
+    if report.errors:
         logs = sorted({r.log for r in report.ranks if r.log})
         suffix = f"; rank logs under {os.path.commonpath(logs)}" if logs else ""
-        return fail(errors[0] + suffix)
+        return fail(report.errors[0] + suffix)
     problems = gate_from_arguments(report, args, baseline)
     for p in problems:
         err.print(f"dynamo-ext audit: gate: {p}", markup=False, soft_wrap=True)

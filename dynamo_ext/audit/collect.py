@@ -374,7 +374,7 @@ def _check_numerics(target: str, rtol: float | None, atol: float | None, observe
     torch._dynamo.reset()
     from .comm_merge import eager_counted_step
 
-    eager_comm: dict[str, dict[str, int]] = {}
+    eager_comm: dict[str, Any] = {}
 
     def run() -> dict[str, Any]:
         # The eager step's collectives, counted by CommDebugMode, check the communication report's counts.

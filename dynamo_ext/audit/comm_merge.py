@@ -9,7 +9,13 @@ Eager FSDP2 issues one all-gather (and one reduce-scatter) of a flat buffer per
 FSDP group; the plugin's traced FSDP2 issues one per parameter, so compiled
 FSDP collectives are counted once per (graph, module, kind) - one FSDP group,
 the module that ``fully_shard`` wrapped - and every other collective once.
+FSDP2's all-reduces are the exception: the plugin traces no HSDP (its one
+all-reduce per group; ``variables/fsdp.py`` refuses it), so a traced FSDP2
+all-reduce is the reduction of a gradient that is ``Partial`` on another mesh
+axis (a norm weight replicated over "tp"), which eager FSDP2 also issues once
+per parameter: each counts.
 Inlined AOT backward graphs (compiled autograd runs their copy) are not counted.
+Where the counts still differ, :mod:`.comm_explain` says why per module.
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from .comm import TRAFFIC
-from .records import Collective, Comm, ModuleComm
+from .records import Collective, Comm, CountDifference, ModuleComm
 
 # CommDebugMode's c10d op names -> traffic kind.
 EAGER_KINDS = {
@@ -46,31 +52,64 @@ def eager_kind(op_name: str) -> str:
     return EAGER_KINDS.get(short, short)
 
 
+def eager_module_path(name: str) -> str:
+    """``CommDebugMode``'s module name as the report's module path.
+
+    ``"Transformer.layers.0._checkpoint_wrapped_module.attention"`` -> ``"layers.0.attention"``
+    (the root's class name and activation checkpointing's wrapper dropped, as
+    :func:`.comm.module_path` does); the root -> ``"<root>"``; ``"Global"`` (the whole step) stays.
+    """
+    if name == "Global":
+        return name
+    parts = [p for p in name.split(".")[1:] if p != "_checkpoint_wrapped_module"]
+    return ".".join(parts) or "<root>"
+
+
 @contextlib.contextmanager
-def count_eager(into: dict[str, dict[str, int]]) -> Iterator[None]:
+def count_eager(into: dict[str, Any]) -> Iterator[None]:
     """Count the collectives run inside, per phase and kind, with ``CommDebugMode``; fills ``into`` on exit.
 
-    ``into`` becomes ``{"forward": {kind: n}, "backward": {kind: n}}`` (phases
-    as ``CommDebugMode``'s module tracker sees them).
+    ``into`` becomes ``{"forward": {kind: n}, "backward": {kind: n}, "modules": {path: {phase: {kind: n}}},
+    "modules_c10d": ...}`` (phases as ``CommDebugMode``'s module tracker sees them).  ``modules``: per
+    module path (:func:`eager_module_path`), the collectives issued while that module or one inside it
+    ran (``CommDebugMode.comm_module_counts``: a module's count includes its submodules'), ``"Global"``
+    the whole step; ``modules_c10d``: the same for c10d's own ops only (``c10d._allgather_base_``: what
+    FSDP2's hooks and explicit ``dist`` calls issue; DTensor issues functional collectives).  What the
+    communication report's count differences are explained with (:mod:`.comm_explain`).
     """
     from torch.distributed.tensor.debug import CommDebugMode
 
     mode = CommDebugMode()
     with mode:
         yield
-    glob = mode.comm_module_counts.get("Global", {})
+    modules: dict[str, dict[str, dict[str, int]]] = {}
+    c10d: dict[str, dict[str, dict[str, int]]] = {}
+    # A wrapper and the module it wraps share a path; the wrapper (the shorter name) counts both: it wins.
+    for name, phases in sorted(mode.comm_module_counts.items(), key=lambda kv: len(str(kv[0]))):
+        path = eager_module_path(str(name))
+        if path in modules:
+            continue
+        for into_modules, only_c10d in ((modules, False), (c10d, True)):
+            per_phase = {}
+            for phase in ("forward", "backward"):
+                per: dict[str, int] = defaultdict(int)
+                for op, n in phases.get(phase, {}).items():
+                    if not only_c10d or str(op).startswith("c10d."):
+                        per[eager_kind(str(op))] += int(n)
+                per_phase[phase] = dict(per)
+            into_modules[path] = per_phase
+    glob = modules.get("Global", {})
     for phase in ("forward", "backward"):
-        per: dict[str, int] = defaultdict(int)
-        for op, n in glob.get(phase, {}).items():
-            per[eager_kind(str(op))] += int(n)
-        into[phase] = dict(per)
+        into[phase] = glob.get(phase, {})
+    into["modules"] = modules
+    into["modules_c10d"] = c10d
 
 
-def eager_counted_step(spec: Any) -> tuple[Any, dict[str, dict[str, int]]]:
+def eager_counted_step(spec: Any) -> tuple[Any, dict[str, Any]]:
     """``spec`` (a :class:`.numerics.Step`) whose eager ``step(False)`` is counted by :func:`count_eager`."""
     import dataclasses
 
-    counts: dict[str, dict[str, int]] = {}
+    counts: dict[str, Any] = {}
     inner = spec.step
 
     def step(compiled: bool) -> Any:
@@ -82,26 +121,37 @@ def eager_counted_step(spec: Any) -> tuple[Any, dict[str, dict[str, int]]]:
     return dataclasses.replace(spec, step=step), counts
 
 
-def _like_counts(colls: list[Collective]) -> dict[tuple[str, str], int]:
-    counts: dict[tuple[str, str], int] = defaultdict(int)
+def _like_counted(colls: list[Collective]) -> list[Collective]:
+    """The collectives the like-with-like count takes (NOTE [like-with-like collective counts])."""
+    out = []
     fsdp_seen: set[tuple[str, str, str, str]] = set()
     for c in colls:
         if c.inlined:
             continue
-        if c.origin == "fsdp":
+        if c.origin == "fsdp" and c.kind != "all_reduce":
             key = (c.graph, c.graph_kind, c.module, c.kind)
             if key in fsdp_seen:
                 continue
             fsdp_seen.add(key)
+        out.append(c)
+    return out
+
+
+def _like_counts(counted: list[Collective]) -> dict[tuple[str, str], int]:
+    counts: dict[tuple[str, str], int] = defaultdict(int)
+    for c in counted:
         counts[(c.phase, c.kind)] += 1
     return counts
 
 
-def merge_comm(events_by_rank: dict[int, list[dict[str, Any]]], ref: set[int], graph_id_of: Any) -> Comm | None:
+def merge_comm(
+    events_by_rank: dict[int, list[dict[str, Any]]], ref: set[int], graph_id_of: Any, breaks: tuple[str, ...] = ()
+) -> Comm | None:
     """One :class:`Comm` from every rank's ``comm_graph`` events; ``None`` when no rank sent one.
 
     ``graph_id_of(compile_event)`` names a graph (:func:`.merge.graph_id`);
-    ``ref``: the ranks whose records are shown (the finished ones).
+    ``ref``: the ranks whose records are shown (the finished ones); ``breaks``: ``"file:line"`` of
+    the graph breaks, named where a count difference comes from code run eagerly.
     """
     if not any(e["ev"] == "comm_graph" for evs in events_by_rank.values() for e in evs):
         return None
@@ -187,8 +237,23 @@ def merge_comm(events_by_rank: dict[int, list[dict[str, Any]]], ref: set[int], g
             m[0] += 1
             m[1] += c.sent
             m[2] += c.est_ms or 0.0
-    like = _like_counts(colls)
+    counted = _like_counted(colls)
+    like = _like_counts(counted)
     eager = _eager_counts(events_by_rank, ref)
+    differences: tuple[CountDifference, ...] = ()
+    if eager is not None:
+        from .comm_explain import eager_modules_of, explain_counts
+
+        events = events_by_rank.get(_numerics_rank(events_by_rank, ref) or 0, [])
+        differences = explain_counts(
+            like,
+            {(ph, k): n for ph, k, n in eager},
+            eager_modules_of(events),
+            colls,
+            counted,
+            list(breaks),
+            eager_c10d=eager_modules_of(events, "modules_c10d"),
+        )
     return Comm(
         collectives=tuple(colls),
         modules=tuple(
@@ -201,16 +266,23 @@ def merge_comm(events_by_rank: dict[int, list[dict[str, Any]]], ref: set[int], g
         counts=tuple((ph, k, n) for (ph, k), n in sorted(like.items())),
         eager_counts=eager,
         missing=missing + tuple(unknown),
+        count_differences=differences,
     )
 
 
-def _eager_counts(events_by_rank: dict[int, list[dict[str, Any]]], ref: set[int]) -> tuple | None:
+def _numerics_rank(events_by_rank: dict[int, list[dict[str, Any]]], ref: set[int]) -> int | None:
+    """The first rank (finished ones first) whose ``numerics`` event has eager counts."""
     for rank in sorted(ref) + sorted(set(events_by_rank) - ref):
-        for e in events_by_rank.get(rank, []):
-            if e["ev"] == "numerics" and e.get("eager_comm"):
-                return tuple(
-                    (ph, k, int(n))
-                    for ph in ("backward", "forward")
-                    for k, n in sorted(e["eager_comm"].get(ph, {}).items())
-                )
+        if any(e["ev"] == "numerics" and e.get("eager_comm") for e in events_by_rank.get(rank, [])):
+            return rank
     return None
+
+
+def _eager_counts(events_by_rank: dict[int, list[dict[str, Any]]], ref: set[int]) -> tuple | None:
+    rank = _numerics_rank(events_by_rank, ref)
+    if rank is None:
+        return None
+    e = next(e for e in events_by_rank[rank] if e["ev"] == "numerics" and e.get("eager_comm"))
+    return tuple(
+        (ph, k, int(n)) for ph in ("backward", "forward") for k, n in sorted(e["eager_comm"].get(ph, {}).items())
+    )

@@ -70,17 +70,29 @@ def _short_op(op: str) -> str:
 
 
 def counts_line(comm: Comm) -> tuple[str, bool | None]:
-    """The compiled like-with-like counts vs eager ``CommDebugMode``'s, in words; whether they agree (``None``: no eager count)."""
+    """The compiled like-with-like counts vs eager ``CommDebugMode``'s, in words, with the reasons for each difference.
+
+    Returns the text and whether every count agrees or has a reason (``None``: no eager count); a
+    difference no reason covers is a MISMATCH (NOTE [count differences] in ``comm_explain.py``).
+    """
     mine = ", ".join(f"{ph} {k} {n}" for ph, k, n in comm.counts) or "none"
     if comm.eager_counts is None:
         return f"collectives (FSDP2 per group): {mine}; eager CommDebugMode: not run (--check-numerics runs it)", None
-    ok = tuple(comm.counts) == tuple(comm.eager_counts)
+    if tuple(comm.counts) == tuple(comm.eager_counts):
+        return f"collectives (FSDP2 per group): {mine}; eager CommDebugMode: the same", True
     theirs = ", ".join(f"{ph} {k} {n}" for ph, k, n in comm.eager_counts) or "none"
-    return (
-        f"collectives (FSDP2 per group): {mine}; eager CommDebugMode: "
-        + ("the same" if ok else f"{theirs} - MISMATCH"),
-        ok,
-    )
+    diffs = comm.count_differences
+    ok = bool(diffs) and not any(d.unexplained for d in diffs)
+    lines = [
+        f"collectives (FSDP2 per group): {mine}; eager CommDebugMode: {theirs} - "
+        + ("differs, for these reasons:" if ok else "MISMATCH")
+    ]
+    for d in diffs:
+        lines.append(f"  {d.phase} {d.kind}: compiled {d.compiled}, eager {d.eager}")
+        lines += [f"    {r}" for r in d.reasons]
+        if d.unexplained:
+            lines.append(f"    unexplained: {d.unexplained}")
+    return "\n".join(lines), ok
 
 
 def comm_renderables(comm: Comm) -> Group:
@@ -168,7 +180,8 @@ def comm_html(comm: Comm) -> str:
     return (
         f"<h2>Communication</h2>{missing}<p id='comm-totals'>Per step (each compiled graph once): <b>{comm.bytes_per_step}</b> "
         f"bytes sent per rank (worst rank), estimated <b>{comm.est_ms_per_step * 1000:.1f} us</b> "
-        f"(torch._inductor.comm_analysis).</p><p class='{'bad' if ok is False else 'ok'}'>{escape(line)}</p>"
+        f"(torch._inductor.comm_analysis).</p><p class='{'bad' if ok is False else 'ok'}'>"
+        f"{escape(line).replace(chr(10), '<br>')}</p>"
         "<table id='comm'><thead><tr><th>graph</th><th>graph id</th><th>#</th><th>op</th><th>mesh axis</th>"
         "<th>bytes in</th><th>bytes sent</th><th>est us</th><th>overlap ops</th><th>line</th><th>module</th>"
         f"<th>origin / placements</th></tr></thead><tbody>{rows}</tbody></table>"

@@ -156,10 +156,32 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def check_against_eager(model: nn.Module, reference: nn.Module, loss: torch.Tensor, ref_loss: torch.Tensor) -> None:
-    """Compare a compiled step's loss and gradients (local shards, placements) with an eager step's.
+def _placements(t: torch.Tensor) -> tuple[object, ...] | None:
+    """A DTensor's placements; ``None`` for a plain tensor."""
+    placements = getattr(t, "placements", None)
+    return None if placements is None else tuple(placements)
 
-    Raises ``RuntimeError`` naming the first tensor that differs (rtol 1e-4, atol 1e-5, fp32).
+
+def _describe(t: torch.Tensor) -> str:
+    """``DTensor(Shard(dim=0), Replicate()) local [32, 64]`` or ``Tensor [64, 64]``."""
+    placements = _placements(t)
+    if placements is None:
+        return f"{type(t).__name__} {list(t.shape)}"
+    return f"DTensor({', '.join(map(str, placements))}) local {list(_local(t).shape)}"
+
+
+def check_against_eager(model: nn.Module, reference: nn.Module, loss: torch.Tensor, ref_loss: torch.Tensor) -> None:
+    """Compare a compiled step's loss and gradients (type, placements, local shards) with an eager step's.
+
+    ``model`` and ``reference`` have the same parameters in the same order; their ``.grad`` (DTensors
+    or plain tensors, fp32) are compared: present or not, then the type and DTensor placements, then
+    the local values (rtol 1e-4, atol 1e-5; shapes must match).
+
+    Raises:
+        RuntimeError: something differs.  The message names the rank and what differs, first the
+            summary when gradients are plain tensors where eager's are DTensors (they were never
+            reduced to their sharded form: what FSDP2's reduce-scatter produces), then up to five
+            tensors with compiled and eager side by side.
     """
 
     def close(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -168,17 +190,32 @@ def check_against_eager(model: nn.Module, reference: nn.Module, loss: torch.Tens
     problems = []
     if not close(loss.detach(), ref_loss.detach()):
         problems.append(f"loss: compiled {loss.item():.6f}, eager {ref_loss.item():.6f}")
+    not_reduced, with_grad = 0, 0
     for (name, p), q in zip(model.named_parameters(), reference.parameters()):
         if (p.grad is None) != (q.grad is None):
             problems.append(f"{name}.grad: compiled {type(p.grad).__name__}, eager {type(q.grad).__name__}")
-        elif p.grad is not None:
-            if getattr(p.grad, "placements", None) != getattr(q.grad, "placements", None):
-                problems.append(f"{name}.grad placements: compiled {p.grad.placements}, eager {q.grad.placements}")
-            elif not close(_local(p.grad), _local(q.grad)):
-                err = float((_local(p.grad) - _local(q.grad)).abs().max()) if p.grad.shape == q.grad.shape else "shape"
-                problems.append(f"{name}.grad: max abs difference {err} from eager")
+            continue
+        if p.grad is None or q.grad is None:
+            continue
+        with_grad += 1
+        pp, qp = _placements(p.grad), _placements(q.grad)
+        if pp != qp:
+            not_reduced += pp is None
+            problems.append(f"{name}.grad: compiled {_describe(p.grad)}, eager {_describe(q.grad)}")
+        elif not close(_local(p.grad), _local(q.grad)):
+            a, b = _local(p.grad), _local(q.grad)
+            err = f"max abs difference {float((a - b).abs().max())}" if a.shape == b.shape else "shape differs"
+            problems.append(f"{name}.grad: {err} from eager ({_describe(p.grad)}, eager {_describe(q.grad)})")
+    if not_reduced:
+        # NOTE: a plain gradient where eager has a DTensor one is the unsharded gradient nothing reduced:
+        # FSDP2's post-backward reduce-scatter is what turns it into the sharded DTensor eager has.
+        problems.insert(
+            0,
+            f"gradients not reduced: {not_reduced} of {with_grad} are plain tensors, not sharded DTensors as eager's "
+            "(FSDP2's post-backward reduce-scatter did not produce them)",
+        )
     if problems:
-        raise RuntimeError(f"rank {dist.get_rank()}: the compiled step differs from eager: " + "; ".join(problems[:5]))
+        raise RuntimeError(f"rank {dist.get_rank()}: the compiled step differs from eager: " + "; ".join(problems[:6]))
 
 
 def make_step() -> tuple[Decoder, torch.optim.Optimizer, Callable[[bool], torch.Tensor]]:

@@ -139,6 +139,11 @@ def render_html(report: AuditReport) -> str:
         for r in report.ranks
     ]
     errors = "".join(f'<p class="bad">error: {escape(e)}</p>' for e in report.errors)
+    if report.stock is not None and report.stock.failures:  # NOTE [stock failures are findings] in render.py
+        errors += (
+            '<p class="skip">Stock run (without the plugin) failed; a finding of the stock column, not an error of '
+            "the audit:</p><ul>" + "".join(f"<li>stock: {escape(f)}</li>" for f in report.stock.failures) + "</ul>"
+        )
     errors += "".join(f'<p class="skip">note: {escape(n)}</p>' for n in report.notes)
     risk_html = (
         '<h2 class="risk">Hang risk: collective sequences differ across ranks</h2><ul>'

@@ -272,7 +272,9 @@ class Merger:
             ranks=summaries,
             errors=tuple(errors) + tuple(self._internal),
             numerics=_numerics(self._numerics),
-            comm=merge_comm(self._comm_events, ref, graph_id),
+            comm=merge_comm(
+                self._comm_events, ref, graph_id, breaks=tuple(dict.fromkeys(f"{b.file}:{b.line}" for b in breaks))
+            ),
         )
 
     def _recompile_records(self, ref: set[int], multi: bool) -> tuple[Recompile, ...]:

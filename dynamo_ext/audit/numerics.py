@@ -173,7 +173,7 @@ def check_step(spec: Step, *, rtol: float | None = None, atol: float | None = No
     """
     if (rtol is None) != (atol is None):
         raise ValueError("give both rtol and atol, or neither (the per-dtype defaults of torch.testing.assert_close)")
-    eager_comm: dict[str, dict[str, int]] = {}
+    eager_comm: dict[str, Any] = {}
     if _OBSERVERS:  # NOTE [the target's own check]
         from .comm_merge import eager_counted_step
 

@@ -320,6 +320,24 @@ class ModuleComm:
 
 
 @dataclasses.dataclass(frozen=True)
+class CountDifference:
+    """Where the compiled collective count of one (phase, kind) differs from eager ``CommDebugMode``'s, and why.
+
+    ``compiled``/``eager``: the two counts; ``reasons``: one line per module (or the root's own, or
+    outside any module) whose counts differ, with its cause in words (NOTE [count differences] in
+    ``audit/comm_explain.py``); ``unexplained``: what no reason covers (``""`` when every difference
+    has one; else the report says MISMATCH).
+    """
+
+    phase: str
+    kind: str
+    compiled: int
+    eager: int
+    reasons: tuple[str, ...]
+    unexplained: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
 class Comm:
     """The communication report: every collective of every compiled graph, and totals.
 
@@ -329,7 +347,8 @@ class Comm:
     (phase, kind), FSDP2's per-parameter collectives counted once per FSDP
     group and phase as eager FSDP2 issues them (the like-with-like count);
     ``eager_counts``: ``CommDebugMode``'s counts of the eager step, mapped to
-    the same kinds (``None``: the numerics check did not run).  ``missing``: graphs
+    the same kinds (``None``: the numerics check did not run); ``count_differences``: where
+    the two differ, and why (:class:`CountDifference`).  ``missing``: graphs
     with collectives that were not analysed (the report and its totals are
     incomplete; ``--comm-budget`` then fails).
     """
@@ -342,6 +361,7 @@ class Comm:
     counts: tuple[tuple[str, str, int], ...]
     eager_counts: tuple[tuple[str, str, int], ...] | None = None
     missing: tuple[str, ...] = ()
+    count_differences: tuple[CountDifference, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -391,6 +411,27 @@ class AuditReport:
             for g in self.graphs
             if g.hang_risk
         )
+
+    @property
+    def failures(self) -> tuple[str, ...]:
+        """What went wrong in this run, ranks that raised the same thing on one line.
+
+        ``"ranks 0–3 raised RuntimeError: the compiled step differs from eager: ..."`` (a message's own
+        ``"rank R: "`` prefix is dropped so that equal failures group); the launcher's other lines
+        (a timeout, a rank that died without a word) follow as they are.  Empty when :attr:`ok`.
+        """
+        from .ranges import format_ranks, group_by
+
+        raised = [
+            (r.rank, r.error.replace(f"rank {r.rank}: ", "", 1)) for r in self.ranks if r.status == "error" and r.error
+        ]
+        lines = [f"rank{'s' if len(rs) > 1 else ''} {format_ranks(rs)} raised {msg}" for msg, rs in group_by(raised)]
+        said = {r for r, _ in raised}
+        for e in self.errors:
+            head = e.split(" raised ", 1)[0]
+            if not (head.startswith("rank ") and head[5:].isdigit() and int(head[5:]) in said):
+                lines.append(e)
+        return tuple(lines)
 
     @property
     def ok(self) -> bool:
@@ -560,6 +601,9 @@ def _comm_from_json(c: dict[str, Any] | None) -> Comm | None:
         counts=triples(c["counts"]),
         eager_counts=None if c.get("eager_counts") is None else triples(c["eager_counts"]),
         missing=tuple(c.get("missing", ())),
+        count_differences=tuple(
+            CountDifference(**{**d, "reasons": tuple(d["reasons"])}) for d in c.get("count_differences", ())
+        ),
     )
 
 

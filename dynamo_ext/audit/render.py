@@ -231,13 +231,18 @@ def renderables(report: AuditReport) -> Group:
                 style="bold red",
             )
         )
-    for rep, label in ((report.stock, "stock run"), (report, "")):
-        if rep is not None and rep.errors:
-            parts.append(
-                Text(
-                    "\n".join(f"error{' (' + label + ')' if label else ''}: {e}" for e in rep.errors), style="bold red"
-                )
+    if report.stock is not None and report.stock.failures:
+        # NOTE [stock failures are findings]: the stock run of --compare-stock is the column compared
+        # against; what fails there is what the plugin is for, not a failure of the audit.
+        parts.append(
+            Text(
+                "Stock run (without the plugin) failed; a finding of the stock column, not an error of the audit:\n"
+                + "\n".join(f"  stock: {f}" for f in report.stock.failures),
+                style="bold yellow",
             )
+        )
+    if report.errors:
+        parts.append(Text("\n".join(f"error: {e}" for e in report.errors), style="bold red"))
     return Group(*parts)
 
 

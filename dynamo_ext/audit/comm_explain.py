@@ -1,0 +1,147 @@
+"""Why the communication report's collective counts differ from eager ``CommDebugMode``'s, in words.
+
+NOTE [count differences]
+The report counts the collectives of the compiled graphs (like with like: NOTE
+[like-with-like collective counts] in :mod:`.comm_merge`); ``CommDebugMode``
+counts every collective the eager step dispatches.  Where the two differ for a
+(phase, kind), the difference is split over the units that together hold every
+collective of the step: each top-level module (the outermost modules the eager
+step ran, below the root: ``tok_embeddings``, ``layers.0``, ... ``norm``), the
+root's own (FSDP2's root hooks), and what ran outside any module (a loss
+function, a hook compiled as its own frame).  Both sides are counted per unit:
+the compiled collectives by the module path of their node, the eager ones from
+``CommDebugMode``'s per-module counts (a module's count includes its
+submodules', so a unit's is its own entry; the root's own is the root's minus
+its top-level modules'; outside is the step's minus the root's).  The per-unit
+differences therefore add up to the total difference, and each gets a reason:
+
+- eager only, and no compiled graph has a collective of that unit in that
+  phase: the code ran outside the compiled graphs (eagerly, around a graph
+  break, or the whole phase ran eagerly);
+- compiled only, outside any module: a graph compiled from a hook or function
+  that is no module (its collectives have no module path), which eager counts
+  in the module whose hook ran it;
+- a unit with compiled collectives whose eager count has more: when its
+  DTensor (functional) collectives agree and no compiled graph has an FSDP2 or
+  explicit collective of it, the eager surplus is c10d's own ops (FSDP2's hooks,
+  explicit ``dist`` calls) that ran eagerly (``CommDebugMode`` counts those
+  apart: ``modules_c10d`` of :func:`.comm_merge.count_eager`);
+- anything else is left unexplained and the report says MISMATCH.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any
+
+from .records import Collective, CountDifference
+
+OUTSIDE = "outside any module"
+ROOT = "<root>"
+
+
+def _top_levels(paths: set[str]) -> list[str]:
+    """The outermost module paths below the root: no other path (but the root) is a prefix of them."""
+    inner = [p for p in paths if p not in (ROOT, "Global")]
+    return sorted(p for p in inner if not any(p.startswith(q + ".") for q in inner if q != p))
+
+
+def _unit(module: str, tops: list[str]) -> str:
+    if not module:
+        return OUTSIDE
+    if module == ROOT:
+        return ROOT
+    return next((t for t in tops if module == t or module.startswith(t + ".")), module)
+
+
+def _eager_units(
+    modules: dict[str, dict[str, dict[str, int]]], tops: list[str], phase: str, kind: str
+) -> dict[str, int]:
+    def n(path: str) -> int:
+        return int(modules.get(path, {}).get(phase, {}).get(kind, 0))
+
+    units = {t: n(t) for t in tops}
+    units[ROOT] = n(ROOT) - sum(units.values())
+    units[OUTSIDE] = n("Global") - n(ROOT)
+    return units
+
+
+def explain_counts(
+    like: dict[tuple[str, str], int],
+    eager: dict[tuple[str, str], int],
+    eager_modules: dict[str, dict[str, dict[str, int]]] | None,
+    colls: list[Collective],
+    counted: list[Collective],
+    breaks: list[str],
+    eager_c10d: dict[str, dict[str, dict[str, int]]] | None = None,
+) -> tuple[CountDifference, ...]:
+    """One :class:`.records.CountDifference` per (phase, kind) whose counts differ (NOTE [count differences]).
+
+    ``like``/``eager``: the two counts per (phase, kind); ``eager_modules``: ``CommDebugMode``'s per-module
+    counts (:func:`.comm_merge.count_eager`), ``None`` when the rank files have none (then every difference
+    is unexplained); ``colls``: every collective of the report; ``counted``: those ``like`` counts (the
+    like-with-like selection); ``breaks``: ``"file:line"`` of the report's graph breaks, named in reasons;
+    ``eager_c10d``: the per-module counts of c10d's own ops (``None``: not recorded).
+    """
+    out = []
+    for phase, kind in sorted(set(like) | set(eager)):
+        a, b = like.get((phase, kind), 0), eager.get((phase, kind), 0)
+        if a == b:
+            continue
+        if eager_modules is None:
+            out.append(CountDifference(phase, kind, a, b, (), f"compiled {a}, eager {b}: no per-module eager count"))
+            continue
+        tops = _top_levels(set(eager_modules))
+        mine: dict[str, int] = defaultdict(int)
+        mine_c10d: dict[str, int] = defaultdict(int)  # FSDP2's and explicit ones: c10d ops when eager
+        graphs: dict[str, set[str]] = defaultdict(set)
+        for c in counted:
+            if c.phase == phase and c.kind == kind:
+                mine[_unit(c.module, tops)] += 1
+                mine_c10d[_unit(c.module, tops)] += c.origin in ("fsdp", "explicit")
+                graphs[_unit(c.module, tops)].add(c.graph)
+        in_phase = {_unit(c.module, tops) for c in colls if c.phase == phase and not c.inlined}
+        theirs = _eager_units(eager_modules, tops, phase, kind)
+        theirs_c10d = _eager_units(eager_c10d, tops, phase, kind) if eager_c10d is not None else {}
+        # Compiled only outside any module: a hook's graph, whose collective eager counts in the hook's module.
+        hooked = mine.get(OUTSIDE, 0) > theirs.get(OUTSIDE, 0)
+        reasons, unexplained = [], []
+        for unit in [*tops, ROOT, OUTSIDE, *sorted(set(mine) - {*tops, ROOT, OUTSIDE})]:
+            x, y = mine.get(unit, 0), theirs.get(unit, 0)
+            if x == y:
+                continue
+            where = f"{unit}: compiled {x}, eager {y}"
+            if x == 0 and not in_phase:
+                reasons.append(f"{where}: the {phase} ran eagerly, its collectives are in no compiled graph")
+            elif x == 0 and unit not in in_phase:
+                at = f" (graph breaks at {', '.join(breaks[:3])}{', ...' if len(breaks) > 3 else ''})" if breaks else ""
+                also = f", or in a graph of no module ({OUTSIDE})" if hooked else ""
+                reasons.append(f"{where}: no compiled graph has a collective of it: ran eagerly{at}{also}")
+            elif (
+                unit in theirs_c10d
+                and mine_c10d.get(unit, 0) == 0
+                and theirs_c10d[unit] > 0
+                and x == y - theirs_c10d[unit]
+            ):
+                reasons.append(
+                    f"{where}: its {theirs_c10d[unit]} c10d collective(s) (FSDP2's hooks, explicit dist calls) ran "
+                    f"eagerly, outside the compiled graphs, which have its {x} DTensor one(s)"
+                )
+            elif y == 0 and unit == OUTSIDE:
+                names = ", ".join(sorted({g.split(" | ")[0] for g in graphs[unit]}))
+                reasons.append(
+                    f"{where}: compiled in a graph of no module ({names}: a hook or function compiled as a frame of "
+                    "its own); eager counts it in the module whose hook ran it"
+                )
+            else:
+                unexplained.append(where)
+        out.append(CountDifference(phase, kind, a, b, tuple(reasons), "; ".join(unexplained)))
+    return tuple(out)
+
+
+def eager_modules_of(events: list[dict[str, Any]], key: str = "modules") -> dict[str, dict[str, dict[str, int]]] | None:
+    """The per-module eager counts (``key``: ``"modules"`` or ``"modules_c10d"``) of a rank's ``numerics`` event."""
+    for e in events:
+        if e["ev"] == "numerics" and e.get("eager_comm"):
+            return e["eager_comm"].get(key)
+    return None
