@@ -432,6 +432,11 @@ def fsdp_group_hook_codes() -> tuple[Any, Any, Any] | None:
         handle.remove()
 
 
+def fsdp_forward_training_state() -> Any:
+    """FSDP2's ``TrainingState.FORWARD`` (a state whose eager forward hooks are running), ``None`` where absent."""
+    return getattr(optional_attr(f"{_FSDP}._fsdp_common", "TrainingState"), "FORWARD", None)
+
+
 @functools.cache
 def fsdp_ddp_mesh_info() -> Any:
     """FSDP2's ``DDPMeshInfo`` class (an HSDP mesh's info is one), ``None`` where absent."""

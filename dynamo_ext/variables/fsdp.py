@@ -40,6 +40,8 @@ from .base import wrap_constant
 from .functions import register_handler, register_polyfill
 
 log = logging.getLogger(__name__)
+# FSDP2's TrainingState.FORWARD: a state whose forward FSDP2's eager hooks are running.
+_EAGER_FORWARD = _compat.fsdp_forward_training_state()
 
 
 def gather_with_fsdp_backward(param_group: Any, fsdp_param: Any, local: Any) -> Any:
@@ -188,9 +190,15 @@ def post_forward(state: Any, module: Any, input: Any, output: Any) -> Any:
     ctx = state._state_ctx
     if ctx.iter_forward_root is state:
         # FSDPState._force_complete_incomplete_states: a module group (fully_shard([a, b]))
-        # whose pass skipped a module is finished by the forward root.
+        # whose pass skipped a module is finished by the forward root.  A pass FSDP2's eager
+        # hooks started (training state FORWARD) is left to them, as without the plugin.
         for other in reversed(ctx.all_states):
-            if other is not state and len(other._modules) > 1 and len(other._modules_to_run_forward) > 0:
+            if (
+                other is not state
+                and len(other._modules) > 1
+                and len(other._modules_to_run_forward) > 0
+                and other._training_state != _EAGER_FORWARD
+            ):
                 reshard(other)
                 output = cast_output(other, output)
                 other._modules_to_run_forward.clear()

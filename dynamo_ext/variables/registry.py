@@ -2,9 +2,9 @@
 
 An entry matches a value by identity (functions such as ``dist.broadcast``),
 by code (functions made at run time from one ``def``, such as the hook
-closures FSDP2 makes per ``fully_shard`` call), by exact type, by subclass (instances of ``Placement`` subclasses users
-write), or by class (the value is itself a class deriving from the key, such
-as ``Shard``).  Dynamo's
+closures FSDP2 makes per ``fully_shard`` call), by exact type, by subclass
+(instances of ``Placement`` subclasses users write), or by class (the value
+is itself a class deriving from the key, such as ``Shard``).  Dynamo's
 ``VariableBuilder`` (values with a source: arguments, globals, closures,
 attributes) and ``SourcelessBuilder`` (values made during tracing) consult the
 table before their own dispatch; :func:`hook_builders` installs that, through
