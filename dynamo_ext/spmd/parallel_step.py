@@ -41,7 +41,8 @@ import torch.utils._pytree as pytree
 
 from .. import _compat
 from ..collective_check import check_collectives, collectives
-from . import overlap
+from . import overlap, step_state
+from .batch_agreement import agree_batch_sizes
 from .batch_dim import analyze_step
 from .reductions import Reduction, insert_reductions
 from .step_trace import StepArgs, TracedStep, collect, static_key, trace_step
@@ -119,6 +120,10 @@ class DataParallelStep:
                 )
         key = static_key(step, dims)
         batch = [step.leaves[i] for i in step.batch_leaves]
+        if key not in self._cache:
+            self._log_retrace(key)
+            # Every rank has this miss at the same call: agree on batch sizes before any rank traces.
+            agree_batch_sizes(self.mesh.get_group().group_name, [tuple(t.shape) for t in batch], dims)
         entries = self._cache.setdefault(key, [])
         entry = next((e for e in entries if e.traced.holds_for(batch, dims)), None)
         if entry is None:
@@ -127,6 +132,17 @@ class DataParallelStep:
         with torch.no_grad():
             outs = entry.runner(*step.inputs)
         return self._write_back(entry.traced, step, list(outs))
+
+    def _log_retrace(self, key: tuple[Any, ...]) -> None:
+        if not self._cache:
+            return
+        previous = list(self._cache)[-1]
+        what = step_state.changes(previous[1], key[1])  # the Python state part of the key
+        log.info(
+            "data_parallel: tracing the step again (trace %d): %s",
+            len(self.compiled) + 1,
+            "; ".join(what[:4]) if what else "new argument structure, shapes or optimizer state",
+        )
 
     def _compile(self, step: StepArgs, dims: list[int | None]) -> CompiledStep:
         traced = trace_step(self.step_fn, step, dims)

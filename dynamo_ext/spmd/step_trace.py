@@ -36,6 +36,7 @@ import torch.utils._pytree as pytree
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from .. import _compat
+from . import step_state
 
 log = logging.getLogger(__name__)
 
@@ -113,8 +114,9 @@ def static_key(step: StepArgs, batch_dims: Sequence[int | None]) -> tuple[Any, .
 
     Shapes, dtypes and devices of parameters, buffers, state and batch tensors
     (batch dim left out), the non-tensor arguments, each module's training
-    flags, each optimizer's hyperparameters and the structure (and non-tensor
-    values) of its state.
+    flags, plain attributes and hooks, each optimizer's hyperparameters and the
+    structure (and non-tensor values) of its state, the parameters' hooks
+    (NOTE [Python state of a traced step]).
     """
     batch_meta = []
     for i, dim in zip(step.batch_leaves, batch_dims):
@@ -139,6 +141,7 @@ def static_key(step: StepArgs, batch_dims: Sequence[int | None]) -> tuple[Any, .
         opt_meta.append((groups, state))
     return (
         str(step.treedef),
+        step_state.snapshot(step.modules, step.optimizers, step.params),
         others,
         tuple(_meta(p) for p in step.params),
         tuple(_meta(b) for b in step.buffers),
@@ -199,6 +202,47 @@ def _swap_optimizer(opt: torch.optim.Optimizer, fakes: dict[int, torch.Tensor], 
         opt.state = saved_state
 
 
+def _aliased_input(node: torch.fx.Node) -> torch.fx.Node:
+    """Follow in-place ops and views (their first argument aliases their result) back to where a value starts."""
+    for _ in range(64):
+        schema = getattr(node.target, "_schema", None)
+        if node.op != "call_function" or schema is None or not schema.arguments or not node.args:
+            break
+        if schema.arguments[0].alias_info is None or not isinstance(node.args[0], torch.fx.Node):
+            break
+        node = node.args[0]
+    return node
+
+
+def _refuse_local_scalars(gm: torch.fx.GraphModule, step: StepArgs) -> None:
+    """Raise when the traced step reads a tensor's value into Python (``aten._local_scalar_dense``)."""
+    reads = [n for n in gm.graph.nodes if n.target is torch.ops.aten._local_scalar_dense.default]
+    if not reads:
+        return
+    node = reads[0]
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    source = _aliased_input(node.args[0]) if node.args and isinstance(node.args[0], torch.fx.Node) else node
+    first_state = len(step.params) + len(step.buffers)
+    index = placeholders.index(source) if source in placeholders else -1
+    if first_state <= index < step.num_fixed:
+        i, _, key = step.state_slots[index - first_state]
+        name = type(step.optimizers[i]).__name__
+        raise ValueError(
+            f"optimizer {i} ({name}) reads its state {key!r}, a CPU tensor, into Python with .item() (node "
+            f"{node.name!r}); a traced graph cannot hold a Python number that changes at every step. {name} keeps "
+            "its step count on the device only with capturable=True, which needs parameters on a CUDA, XPU or "
+            "HPU device. On CPU, call optimizer.step() outside the step function (a step that ends with "
+            "loss.backward() leaves the averaged gradients in .grad), or use an optimizer without a step "
+            "count (SGD)."
+        )
+    raise ValueError(
+        f"the step reads a tensor's value into Python (node {node.name!r}: .item(), .tolist(), float(t), "
+        "int(t), or a Python condition on a tensor); a traced graph would keep the value of the first call as "
+        "a constant. Keep the value a tensor (torch.where instead of an if, tensor arithmetic instead of "
+        "Python numbers), or compute it outside the step function."
+    )
+
+
 def trace_step(
     step_fn: Callable[..., Any], step: StepArgs, batch_dims: Sequence[int | None], *, tracing_mode: str = "symbolic"
 ) -> TracedStep:
@@ -212,8 +256,15 @@ def trace_step(
     Raises:
         ValueError: a batch dim is out of range or has size < 2 (a size-1 dim
             cannot be symbolic); the step fails to trace (the message says
-            which op, e.g. a ``.item()``).
+            which op) or reads a tensor's value into Python (``.item()``, an
+            optimizer's CPU step count); a parameter has a post-accumulate-grad
+            hook; tracing changed Python state (an LR scheduler stepped inside
+            the step): NOTE [Python state of a traced step].
     """
+    step_state.refuse_post_accumulate_hooks(step.params)
+    schedulers = step_state.schedulers(step.optimizers)
+    python_state = step_state.snapshot(step.modules, step.optimizers, step.params)
+    python_state += step_state.scheduler_snapshot(schedulers)
     mode = _compat.symbolic_fake_mode()
     fakes: list[torch.Tensor] = []
     fixed = [*step.params, *step.buffers, *(step.optimizers[i].state[p][k] for i, p, k in step.state_slots)]
@@ -261,6 +312,8 @@ def trace_step(
         with contextlib.ExitStack() as stack:
             for j, fp in enumerate(fake_params):
                 if fp.requires_grad:
+                    for user_hook in step_state.pre_hooks(step.params[j]):  # on the local gradient, as under DDP
+                        stack.callback(fp.register_hook(user_hook).remove)
                     hook = fp.register_post_accumulate_grad_hook(lambda p, j=j: accumulated.__setitem__(j, p.grad))
                     stack.callback(hook.remove)
             for m in step.modules:
@@ -302,6 +355,9 @@ def trace_step(
             "be traceable by make_fx: no .item()/.tolist() or Python control flow on tensor values (an optimizer "
             "keeping a CPU step count, e.g. Adam without capturable=True, reads it with .item())"
         ) from e
+    after = step_state.snapshot(step.modules, step.optimizers, step.params)
+    step_state.refuse_changes(python_state, after + step_state.scheduler_snapshot(schedulers))
+    _refuse_local_scalars(gm, step)
     # The accumulated gradients were extra outputs only so their nodes can be found: take them out.
     output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
     outs = list(output.args[0])
