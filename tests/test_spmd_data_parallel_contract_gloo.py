@@ -10,6 +10,8 @@ One launch, several small MLP steps, each against eager DistributedDataParallel
 - an LR scheduler stepped between calls (the LR sequence is eager's);
 - a ``register_hook`` gradient mask on a parameter (masked rows do not move);
 - a loss with a parameter regularizer (a Partial mean plus a replicated term);
+- gradients clamped in place after ``loss.backward()`` (the clamp must read
+  the averaged gradients, as after DDP's all-reduce);
 - a first step where rank 1 has a single sample: every rank raises the same
   ``ValueError`` (not a collective-check timeout on the others).
 """
@@ -25,6 +27,7 @@ from helpers import run_on_ranks
 pytestmark = pytest.mark.gloo
 
 STEPS = 3
+CLAMP = 0.02
 
 
 def _max_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
@@ -187,6 +190,40 @@ def _hook(rank: int, world: int) -> dict[str, object]:
     return {"param": params, "masked_moved": masked_moved, "others_moved": others_moved}
 
 
+def _clamp(rank: int, world: int) -> dict[str, object]:
+    import torch.nn.functional as F
+    from dp_models import local_part
+
+    from dynamo_ext.spmd import data_parallel
+
+    mesh, model, ref, ddp, opt, ref_opt, data = _setup(rank, world)
+
+    def step(model, opt, x, y):
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        for p in model.parameters():
+            p.grad.clamp_(-CLAMP, CLAMP)  # nonlinear, in place: DDP clamps the averaged gradient
+        opt.step()
+        return loss.detach()
+
+    dp_step = data_parallel(step, mesh, backend=None)
+    grads, params, clamped = [], [], 0
+    for i in range(STEPS):
+        x, y = (local_part(t, rank, world) for t in data(16, 60 + i))
+        dp_step(model, opt, x, y)
+        got = [p.grad for p in model.parameters()]
+        opt.zero_grad()
+        F.mse_loss(ddp(x), y).backward()
+        for p in ref.parameters():
+            clamped += int((p.grad.abs() > CLAMP).sum())
+            p.grad.clamp_(-CLAMP, CLAMP)
+        grads.append(_max_diff(got, [p.grad for p in ref.parameters()]))
+        ref_opt.step()
+        ref_opt.zero_grad()
+        params.append(_max_diff(list(model.parameters()), list(ref.parameters())))
+    return {"grad": grads, "param": params, "clamped": clamped}
+
+
 def _one_sample(rank: int, world: int) -> dict[str, object]:
     from dp_models import build, local_part, make_step
     from torch.distributed.device_mesh import init_device_mesh
@@ -211,7 +248,13 @@ def _one_sample(rank: int, world: int) -> dict[str, object]:
 
 
 def _all(rank: int, world: int) -> dict[str, object]:
-    cases = {"returns": _returns, "temperature": _temperature, "scheduler": _scheduler, "hook": _hook}
+    cases = {
+        "returns": _returns,
+        "temperature": _temperature,
+        "scheduler": _scheduler,
+        "hook": _hook,
+        "clamp": _clamp,
+    }
     out = {name: fn(rank, world) for name, fn in cases.items()}
     out["one_sample"] = _one_sample(rank, world)  # last: it leaves a failed step behind
     return out
@@ -251,6 +294,14 @@ def test_gradient_hook_on_a_parameter_runs(results):
         h = r["hook"]
         assert max(h["param"]) < 1e-5, (rank, h["param"])
         assert h["masked_moved"] == 0 and h["others_moved"] > 1e-3
+
+
+def test_in_place_update_of_gradients_reads_the_averaged_gradients(results):
+    for rank, r in enumerate(results):
+        c = r["clamp"]
+        assert c["clamped"] > 0  # the clamp changes some averaged gradients
+        assert max(c["grad"]) < 1e-6, (rank, c["grad"])
+        assert max(c["param"]) < 1e-5, (rank, c["param"])
 
 
 def test_one_sample_first_step_is_the_same_value_error_on_every_rank(results):

@@ -314,7 +314,11 @@ def trace_step(
                 if fp.requires_grad:
                     for user_hook in step_state.pre_hooks(step.params[j]):  # on the local gradient, as under DDP
                         stack.callback(fp.register_hook(user_hook).remove)
-                    hook = fp.register_post_accumulate_grad_hook(lambda p, j=j: accumulated.__setitem__(j, p.grad))
+                    # A detach made now reads the gradient's node as accumulated, before any later in-place
+                    # update (gradient clipping) moves the tensor's node on.
+                    hook = fp.register_post_accumulate_grad_hook(
+                        lambda p, j=j: accumulated.__setitem__(j, p.grad.detach())
+                    )
                     stack.callback(hook.remove)
             for m in step.modules:
                 names = dict(m.named_parameters(remove_duplicate=False))
@@ -362,7 +366,7 @@ def trace_step(
     output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
     outs = list(output.args[0])
     n_acc = len(record["accumulated"])
-    gradients = dict(zip(record["accumulated"], outs[len(outs) - n_acc :]))
+    gradients = dict(zip(record["accumulated"], (d.args[0] for d in outs[len(outs) - n_acc :])))
     output.args = (tuple(outs[: len(outs) - n_acc]),)
     for n in reversed(list(gm.graph.nodes)):  # record_function markers (Optimizer.step): not compilable, no effect
         if getattr(n.target, "namespace", None) == "profiler":
