@@ -250,9 +250,16 @@ def data_parallel(
 
     After a call: parameters, buffers and optimizer state are updated in place;
     gradients the step leaves on parameters (no ``zero_grad()`` inside it) are
-    the averaged ones, in ``.grad``; returned Partial values (a mean loss) are
-    reduced to their full-batch value on every rank, returned tensors with a
-    batch dim are this rank's part.
+    the averaged ones, in ``.grad``; returned reductions over the batch are
+    their full-batch value on every rank (a mean loss: the mean of the ranks'
+    means; a sum or an integer count: the sum, dtype kept; a max/min: the
+    max/min), returned tensors with a batch dim are this rank's part.
+
+    The step's Python code runs once, when it is traced: module attributes,
+    optimizer hyperparameters and hooks it depends on are guarded (a change
+    traces again), Python state it changes is refused (NOTE [Python state of
+    a traced step]); ``register_hook`` hooks on parameters run on the local
+    gradient, as under DDP.
 
     Args:
         step_fn: the training step.
@@ -271,12 +278,18 @@ def data_parallel(
 
     Raises:
         ValueError: (on the first call with new argument shapes) the mesh is not
-            1-D; a tensor's batch dim is out of range or holds fewer than 2
-            samples; a node's batch dim cannot be inferred (the message names
-            the node, e.g. a ``cumsum`` over the batch or BatchNorm's batch
-            statistics); the step cannot be traced (``.item()``); a parameter
-            already has a ``.grad``.
-        dynamo_ext.CollectiveMismatchError: the ranks compiled different collectives (a RuntimeError).
+            1-D; a tensor's batch dim is out of range or, on any rank, holds
+            fewer than 2 samples (the same error on every rank); a node's batch
+            dim cannot be inferred (the message names the node, e.g. a
+            ``cumsum`` over the batch); the step cannot be traced or reads a
+            tensor into Python (``.item()``, Adam's CPU step count); tracing
+            changed Python state (an LR scheduler stepped inside the step); a
+            gradient depends on a reduction over the batch read whole (a loss
+            that is not a sum or mean over samples); a returned reduction has no
+            full-batch value (a norm over the batch); a parameter has a
+            ``register_post_accumulate_grad_hook`` hook or already has a ``.grad``.
+        dynamo_ext.CollectiveMismatchError: the ranks compiled different collectives, or a
+            rank did not start tracing the step with the others (a RuntimeError).
     """
     return DataParallelStep(
         step_fn,

@@ -16,11 +16,11 @@ this pass does the same:
    ``.grad`` after the step) reads the result, with the ``wait_tensor`` right
    before the first of them: the collective overlaps the rest of the backward;
 2. any other Partial value that is still read whole afterwards (a returned
-   mean loss, a Partial value that does not come from a gradient) is averaged
-   the same way before its readers, issued as soon as the value exists (for
-   a ``detach`` of a Partial value, as soon as what it detaches exists, so a
-   returned ``loss.detach()`` is averaged during the backward).  With equal local batch sizes and a
-   mean loss that is the full-batch value.
+   mean loss, a Partial value that does not come from a gradient) is reduced
+   to its full-batch value (NOTE [full-batch values]) before its readers,
+   issued as soon as the value exists (for a ``detach`` of a Partial value,
+   as soon as what it detaches exists, so a returned ``loss.detach()`` is
+   reduced during the backward).
 
 NOTE [full-batch values]
 Step 2 reduces a value the way its layout says the local values combine into
