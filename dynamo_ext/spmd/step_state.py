@@ -42,13 +42,26 @@ from .. import _compat
 log = logging.getLogger(__name__)
 
 _SKIP = object()
+_SCALARS = frozenset({type(None), bool, int, float, str})
 _MODULE_HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+# nn.Module bookkeeping that holds no Python value the graph reads (tensors and submodules are inputs or walked).
+_MODULE_NOT_STATE = frozenset(
+    {
+        "_parameters",
+        "_buffers",
+        "_modules",
+        "_state_dict_hooks",
+        "_state_dict_pre_hooks",
+        "_load_state_dict_pre_hooks",
+        "_load_state_dict_post_hooks",
+    }
+)
 
 
 def _plain(value: Any, tensors: bool = False) -> Any:
     """A hashable, comparable form of a plain value, or ``_SKIP`` for anything else (tensors too, unless ``tensors``)."""
-    if value is None or isinstance(value, bool | int | float | complex | str | bytes | enum.Enum):
-        return repr(value)  # repr: 0.1 vs 0.1000001 differ, nan equals nan
+    if type(value) in _SCALARS or isinstance(value, bool | int | float | complex | str | bytes | enum.Enum):
+        return repr(value)  # repr: 1 and True differ, nan equals nan
     if isinstance(value, torch.dtype | torch.device):
         return str(value)
     if isinstance(value, tuple | list):
@@ -67,38 +80,60 @@ def _plain(value: Any, tensors: bool = False) -> Any:
 
 def snapshot(
     modules: Sequence[torch.nn.Module], optimizers: Sequence[torch.optim.Optimizer], params: Sequence[torch.Tensor]
-) -> tuple[tuple[str, Any], ...]:
+) -> tuple[tuple[tuple[Any, ...], Any], ...]:
     """``(what, value)`` for every plain value the traced step may depend on (NOTE [Python state of a traced step]).
 
-    ``what`` names it for messages, e.g. ``"attribute 'temperature' of module 0 (Net)"``.
+    ``what`` is a tuple that :func:`describe` turns into words for messages, e.g.
+    ``"attribute 'temperature' of module 0 (Net)"`` (formatted only then: this runs at every call).
     """
-    out: list[tuple[str, Any]] = []
+    out: list[tuple[tuple[Any, ...], Any]] = []
+    debug = log.isEnabledFor(logging.DEBUG)
     skipped: list[str] = []
     for i, top in enumerate(modules):
+        kind = type(top).__name__
         for name, m in top.named_modules(remove_duplicate=False):
-            where = f"module {i} ({type(top).__name__}){'.' + name if name else ''}"
             for k, v in vars(m).items():
+                if k in _MODULE_NOT_STATE:
+                    continue
                 if k in _MODULE_HOOK_DICTS:
-                    out.append((f"{k} of {where}", tuple(v)))  # hook handle ids
+                    out.append((("hooks", i, kind, name, k), tuple(v)))  # hook handle ids
                     continue
                 value = _plain(v)
                 if value is _SKIP:
-                    if not k.startswith("_"):
-                        skipped.append(f"{where}.{k} ({type(v).__name__})")
+                    if debug and not k.startswith("_"):
+                        skipped.append(f"{_where(i, kind, name)}.{k} ({type(v).__name__})")
                     continue
-                out.append((f"attribute {k!r} of {where}", value))
+                out.append((("attribute", i, kind, name, k), value))
     for i, opt in enumerate(optimizers):
         for g, group in enumerate(opt.param_groups):
             for k, v in group.items():
                 if k != "params":
-                    out.append((f"{k!r} of param group {g} of optimizer {i} ({type(opt).__name__})", _plain(v, True)))
+                    out.append((("group", i, type(opt).__name__, g, k), _plain(v, True)))
     for j, p in enumerate(params):
         pre, post = _compat.tensor_hooks(p)
         if pre or post:
-            out.append((f"hooks of parameter {j} (shape {tuple(p.shape)})", (tuple(pre), tuple(post))))
+            out.append((("param hooks", j, tuple(p.shape)), (tuple(pre), tuple(post))))
     if skipped:
         log.debug("data_parallel: not guarded (not plain values): %s", ", ".join(skipped))
     return tuple(out)
+
+
+def _where(i: int, kind: str, name: str) -> str:
+    return f"module {i} ({kind}){'.' + name if name else ''}"
+
+
+def describe(what: tuple[Any, ...]) -> str:
+    """A snapshot entry's ``what`` in words."""
+    kind = what[0]
+    if kind == "attribute":
+        return f"attribute {what[4]!r} of {_where(*what[1:4])}"
+    if kind == "hooks":
+        return f"{what[4]} of {_where(*what[1:4])}"
+    if kind == "group":
+        return f"{what[4]!r} of param group {what[3]} of optimizer {what[1]} ({what[2]})"
+    if kind == "param hooks":
+        return f"hooks of parameter {what[1]} (shape {what[2]})"
+    return f"attribute {what[3]!r} of LR scheduler {what[1]} ({what[2]})"
 
 
 def schedulers(optimizers: Sequence[torch.optim.Optimizer]) -> list[Any]:
@@ -121,24 +156,24 @@ def schedulers(optimizers: Sequence[torch.optim.Optimizer]) -> list[Any]:
     return list(found.values())
 
 
-def scheduler_snapshot(found: Sequence[Any]) -> tuple[tuple[str, Any], ...]:
+def scheduler_snapshot(found: Sequence[Any]) -> tuple[tuple[tuple[Any, ...], Any], ...]:
     """``(what, value)`` for the plain attributes of each scheduler of :func:`schedulers` (its epoch, step count)."""
     out = []
     for i, sched in enumerate(found):
         for k, v in vars(sched).items():
             value = _plain(v)
             if value is not _SKIP:
-                out.append((f"attribute {k!r} of LR scheduler {i} ({type(sched).__name__})", value))
+                out.append((("scheduler", i, type(sched).__name__, k), value))
     return tuple(out)
 
 
-def changes(before: Sequence[tuple[str, Any]], after: Sequence[tuple[str, Any]]) -> list[str]:
+def changes(before: Sequence[tuple[tuple[Any, ...], Any]], after: Sequence[tuple[tuple[Any, ...], Any]]) -> list[str]:
     """What differs between two snapshots, one line each (``what: old -> new``)."""
     old, new = dict(before), dict(after)
     lines = []
     for what in dict.fromkeys([*old, *new]):
         if old.get(what, _SKIP) != new.get(what, _SKIP):
-            lines.append(f"{what}: {_show(old.get(what, _SKIP))} -> {_show(new.get(what, _SKIP))}")
+            lines.append(f"{describe(what)}: {_show(old.get(what, _SKIP))} -> {_show(new.get(what, _SKIP))}")
     return lines
 
 
@@ -150,7 +185,7 @@ def _show(value: Any) -> str:
     return value if isinstance(value, str) else repr(value)
 
 
-def refuse_changes(before: Sequence[tuple[str, Any]], after: Sequence[tuple[str, Any]]) -> None:
+def refuse_changes(before: Sequence[tuple[tuple[Any, ...], Any]], after: Sequence[tuple[tuple[Any, ...], Any]]) -> None:
     """Raise if tracing the step changed Python state (see NOTE [Python state of a traced step]).
 
     Raises:
