@@ -25,6 +25,11 @@ DDP before its all-reduce (:func:`pre_hooks`).  Hooks registered with
 ``register_post_accumulate_grad_hook`` would run on the local accumulated
 gradient at a point with no DDP counterpart (optimizer-in-backward): they are
 refused (:func:`refuse_post_accumulate_hooks`).
+
+A value read from a tensor into Python (``.item()``: ``aten._local_scalar_dense``
+in the graph) would be the first call's value forever: refused
+(:func:`refuse_local_scalars`), naming the optimizer when it is an optimizer's
+step count (Adam and AdamW on CPU).
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+import torch.fx
 
 from .. import _compat
 
@@ -224,3 +230,51 @@ def refuse_post_accumulate_hooks(params: Sequence[torch.Tensor]) -> None:
 def pre_hooks(p: torch.Tensor) -> list[Any]:
     """The ``register_hook`` hooks of parameter ``p``, in registration order (registered on its traced stand-in)."""
     return list(_compat.tensor_hooks(p)[0].values())
+
+
+def _aliased_input(node: torch.fx.Node) -> torch.fx.Node:
+    """Follow in-place ops and views (their first argument aliases their result) back to where a value starts."""
+    for _ in range(64):
+        schema = getattr(node.target, "_schema", None)
+        if node.op != "call_function" or schema is None or not schema.arguments or not node.args:
+            break
+        if schema.arguments[0].alias_info is None or not isinstance(node.args[0], torch.fx.Node):
+            break
+        node = node.args[0]
+    return node
+
+
+def refuse_local_scalars(gm: torch.fx.GraphModule, step: Any) -> None:
+    """Raise when the traced step reads a tensor's value into Python (``aten._local_scalar_dense``).
+
+    ``step`` is the call's :class:`.step_trace.StepArgs`.
+
+    Raises:
+        ValueError: naming the node, and the optimizer and its state when the value is optimizer state
+            (Adam's CPU step count), with what to do.
+    """
+    reads = [n for n in gm.graph.nodes if n.target is torch.ops.aten._local_scalar_dense.default]
+    if not reads:
+        return
+    node = reads[0]
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    source = _aliased_input(node.args[0]) if node.args and isinstance(node.args[0], torch.fx.Node) else node
+    first_state = len(step.params) + len(step.buffers)
+    index = placeholders.index(source) if source in placeholders else -1
+    if first_state <= index < step.num_fixed:
+        i, _, key = step.state_slots[index - first_state]
+        name = type(step.optimizers[i]).__name__
+        raise ValueError(
+            f"optimizer {i} ({name}) reads its state {key!r}, a CPU tensor, into Python with .item() (node "
+            f"{node.name!r}); a traced graph cannot hold a Python number that changes at every step. {name} keeps "
+            "its step count on the device only with capturable=True, which needs parameters on a CUDA, XPU or "
+            "HPU device. On CPU, call optimizer.step() outside the step function (a step that ends with "
+            "loss.backward() leaves the averaged gradients in .grad), or use an optimizer without a step "
+            "count (SGD)."
+        )
+    raise ValueError(
+        f"the step reads a tensor's value into Python (node {node.name!r}: .item(), .tolist(), float(t), "
+        "int(t), or a Python condition on a tensor); a traced graph would keep the value of the first call as "
+        "a constant. Keep the value a tensor (torch.where instead of an if, tensor arithmetic instead of "
+        "Python numbers), or compute it outside the step function."
+    )

@@ -202,47 +202,6 @@ def _swap_optimizer(opt: torch.optim.Optimizer, fakes: dict[int, torch.Tensor], 
         opt.state = saved_state
 
 
-def _aliased_input(node: torch.fx.Node) -> torch.fx.Node:
-    """Follow in-place ops and views (their first argument aliases their result) back to where a value starts."""
-    for _ in range(64):
-        schema = getattr(node.target, "_schema", None)
-        if node.op != "call_function" or schema is None or not schema.arguments or not node.args:
-            break
-        if schema.arguments[0].alias_info is None or not isinstance(node.args[0], torch.fx.Node):
-            break
-        node = node.args[0]
-    return node
-
-
-def _refuse_local_scalars(gm: torch.fx.GraphModule, step: StepArgs) -> None:
-    """Raise when the traced step reads a tensor's value into Python (``aten._local_scalar_dense``)."""
-    reads = [n for n in gm.graph.nodes if n.target is torch.ops.aten._local_scalar_dense.default]
-    if not reads:
-        return
-    node = reads[0]
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    source = _aliased_input(node.args[0]) if node.args and isinstance(node.args[0], torch.fx.Node) else node
-    first_state = len(step.params) + len(step.buffers)
-    index = placeholders.index(source) if source in placeholders else -1
-    if first_state <= index < step.num_fixed:
-        i, _, key = step.state_slots[index - first_state]
-        name = type(step.optimizers[i]).__name__
-        raise ValueError(
-            f"optimizer {i} ({name}) reads its state {key!r}, a CPU tensor, into Python with .item() (node "
-            f"{node.name!r}); a traced graph cannot hold a Python number that changes at every step. {name} keeps "
-            "its step count on the device only with capturable=True, which needs parameters on a CUDA, XPU or "
-            "HPU device. On CPU, call optimizer.step() outside the step function (a step that ends with "
-            "loss.backward() leaves the averaged gradients in .grad), or use an optimizer without a step "
-            "count (SGD)."
-        )
-    raise ValueError(
-        f"the step reads a tensor's value into Python (node {node.name!r}: .item(), .tolist(), float(t), "
-        "int(t), or a Python condition on a tensor); a traced graph would keep the value of the first call as "
-        "a constant. Keep the value a tensor (torch.where instead of an if, tensor arithmetic instead of "
-        "Python numbers), or compute it outside the step function."
-    )
-
-
 def trace_step(
     step_fn: Callable[..., Any], step: StepArgs, batch_dims: Sequence[int | None], *, tracing_mode: str = "symbolic"
 ) -> TracedStep:
@@ -361,7 +320,7 @@ def trace_step(
         ) from e
     after = step_state.snapshot(step.modules, step.optimizers, step.params)
     step_state.refuse_changes(python_state, after + step_state.scheduler_snapshot(schedulers))
-    _refuse_local_scalars(gm, step)
+    step_state.refuse_local_scalars(gm, step)
     # The accumulated gradients were extra outputs only so their nodes can be found: take them out.
     output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
     outs = list(output.args[0])
@@ -375,6 +334,16 @@ def trace_step(
     gm.recompile()
     alive = set(gm.graph.nodes)
     gradients = {j: n for j, n in gradients.items() if n in alive}
+    constants = [getattr(gm, n.target) for n in gm.graph.nodes if n.op == "get_attr"]
+    if constants:
+        # A tensor the step or a hook closes over (not a parameter or buffer) is held by the graph as is:
+        # in-place updates of it are seen, binding the name to another tensor is not.
+        log.info(
+            "data_parallel: the traced step holds %d tensor(s) it closes over as graph constants (shapes %s); "
+            "update them in place, a reassigned tensor is not seen",
+            len(constants),
+            [tuple(c.shape) for c in constants if isinstance(c, torch.Tensor)],
+        )
     # Every size but the batch dims is static, so each guard the trace recorded is about batch sizes.
     guards = [g.expr for g in mode.shape_env.guards]
     log.debug("traced step: %d nodes, batch symbols %s, guards %s", len(gm.graph.nodes), symbols, guards)
