@@ -743,11 +743,15 @@ def reparametrize_module(module: Any, tensors: dict[str, Any]) -> Any:
 
 
 def symbolic_fake_mode() -> Any:
-    """A ``FakeTensorMode`` with its own ``ShapeEnv`` (symbolic sizes), as AOTAutograd builds one."""
+    """A ``FakeTensorMode`` with its own ``ShapeEnv`` (symbolic sizes), as AOTAutograd builds one.
+
+    Real tensors the traced code closes over (a mask in a gradient hook) are allowed: ``make_fx`` keeps them
+    as constants of the graph.
+    """
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
-    return FakeTensorMode(shape_env=ShapeEnv())
+    return FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=True)
 
 
 def fake_tensor(mode: Any, t: Any, *, dynamic_dim: int | None, name: str) -> Any:
@@ -916,3 +920,11 @@ def async_collective_tensor_type() -> type | None:
     """``torch.distributed._functional_collectives.AsyncCollectiveTensor`` (what ``DTensor.to_local()``
     returns after an ``async_op=True`` redistribute), or ``None`` where absent."""
     return optional_attr("torch.distributed._functional_collectives", "AsyncCollectiveTensor")
+
+
+def tensor_hooks(t: Any) -> tuple[dict[int, Any], dict[int, Any]]:
+    """``(register_hook hooks, register_post_accumulate_grad_hook hooks)`` of tensor ``t``, by handle id.
+
+    ``Tensor._backward_hooks`` / ``Tensor._post_accumulate_grad_hooks`` (2.11 to 2.15; None when empty).
+    """
+    return dict(getattr(t, "_backward_hooks", None) or {}), dict(getattr(t, "_post_accumulate_grad_hooks", None) or {})

@@ -41,7 +41,8 @@ import torch.utils._pytree as pytree
 
 from .. import _compat
 from ..collective_check import check_collectives, collectives
-from . import overlap
+from . import overlap, step_state
+from .batch_agreement import agree_batch_sizes
 from .batch_dim import analyze_step
 from .reductions import Reduction, insert_reductions
 from .step_trace import StepArgs, TracedStep, collect, static_key, trace_step
@@ -119,6 +120,10 @@ class DataParallelStep:
                 )
         key = static_key(step, dims)
         batch = [step.leaves[i] for i in step.batch_leaves]
+        if key not in self._cache:
+            self._log_retrace(key)
+            # Every rank has this miss at the same call: agree on batch sizes before any rank traces.
+            agree_batch_sizes(self.mesh.get_group().group_name, [tuple(t.shape) for t in batch], dims)
         entries = self._cache.setdefault(key, [])
         entry = next((e for e in entries if e.traced.holds_for(batch, dims)), None)
         if entry is None:
@@ -127,6 +132,17 @@ class DataParallelStep:
         with torch.no_grad():
             outs = entry.runner(*step.inputs)
         return self._write_back(entry.traced, step, list(outs))
+
+    def _log_retrace(self, key: tuple[Any, ...]) -> None:
+        if not self._cache:
+            return
+        previous = list(self._cache)[-1]
+        what = step_state.changes(previous[1], key[1])  # the Python state part of the key
+        log.info(
+            "data_parallel: tracing the step again (trace %d): %s",
+            len(self.compiled) + 1,
+            "; ".join(what[:4]) if what else "new argument structure, shapes or optimizer state",
+        )
 
     def _compile(self, step: StepArgs, dims: list[int | None]) -> CompiledStep:
         traced = trace_step(self.step_fn, step, dims)
@@ -234,9 +250,16 @@ def data_parallel(
 
     After a call: parameters, buffers and optimizer state are updated in place;
     gradients the step leaves on parameters (no ``zero_grad()`` inside it) are
-    the averaged ones, in ``.grad``; returned Partial values (a mean loss) are
-    reduced to their full-batch value on every rank, returned tensors with a
-    batch dim are this rank's part.
+    the averaged ones, in ``.grad``; returned reductions over the batch are
+    their full-batch value on every rank (a mean loss: the mean of the ranks'
+    means; a sum or an integer count: the sum, dtype kept; a max/min: the
+    max/min), returned tensors with a batch dim are this rank's part.
+
+    The step's Python code runs once, when it is traced: module attributes,
+    optimizer hyperparameters and hooks it depends on are guarded (a change
+    traces again), Python state it changes is refused (NOTE [Python state of
+    a traced step]); ``register_hook`` hooks on parameters run on the local
+    gradient, as under DDP.
 
     Args:
         step_fn: the training step.
@@ -255,12 +278,18 @@ def data_parallel(
 
     Raises:
         ValueError: (on the first call with new argument shapes) the mesh is not
-            1-D; a tensor's batch dim is out of range or holds fewer than 2
-            samples; a node's batch dim cannot be inferred (the message names
-            the node, e.g. a ``cumsum`` over the batch or BatchNorm's batch
-            statistics); the step cannot be traced (``.item()``); a parameter
-            already has a ``.grad``.
-        dynamo_ext.CollectiveMismatchError: the ranks compiled different collectives (a RuntimeError).
+            1-D; a tensor's batch dim is out of range or, on any rank, holds
+            fewer than 2 samples (the same error on every rank); a node's batch
+            dim cannot be inferred (the message names the node, e.g. a
+            ``cumsum`` over the batch); the step cannot be traced or reads a
+            tensor into Python (``.item()``, Adam's CPU step count); tracing
+            changed Python state (an LR scheduler stepped inside the step); a
+            gradient depends on a reduction over the batch read whole (a loss
+            that is not a sum or mean over samples); a returned reduction has no
+            full-batch value (a norm over the batch); a parameter has a
+            ``register_post_accumulate_grad_hook`` hook or already has a ``.grad``.
+        dynamo_ext.CollectiveMismatchError: the ranks compiled different collectives, or a
+            rank did not start tracing the step with the others (a RuntimeError).
     """
     return DataParallelStep(
         step_fn,

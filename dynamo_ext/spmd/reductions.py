@@ -16,12 +16,32 @@ this pass does the same:
    ``.grad`` after the step) reads the result, with the ``wait_tensor`` right
    before the first of them: the collective overlaps the rest of the backward;
 2. any other Partial value that is still read whole afterwards (a returned
-   mean loss, a Partial value that does not come from a gradient) is averaged
-   the same way before its readers, issued as soon as the value exists (for
-   a ``detach`` of a Partial value, as soon as what it detaches exists, so a
-   returned ``loss.detach()`` is averaged during the backward).  With equal local batch sizes and a
-   mean loss that is the full-batch value; a returned sum comes back as the
-   mean over ranks of the local sums.
+   mean loss, a Partial value that does not come from a gradient) is reduced
+   to its full-batch value (NOTE [full-batch values]) before its readers,
+   issued as soon as the value exists (for a ``detach`` of a Partial value,
+   as soon as what it detaches exists, so a returned ``loss.detach()`` is
+   reduced during the backward).
+
+NOTE [full-batch values]
+Step 2 reduces a value the way its layout says the local values combine into
+the full-batch one: ``Partial("avg")`` (a mean) is divided by the world size
+and summed (the full-batch mean for equal local batch sizes),
+``Partial("sum")`` is summed (an integer count stays an integer),
+``Partial("max")``/``Partial("min")`` take the maximum/minimum of the local
+ones.  Any other Partial (a norm over the batch, ``_NormPartial``) is refused
+with a ``ValueError`` naming the node.  Gradients (step 1) are averaged
+whatever their layout: that is DDP's contract, not a full-batch value.
+
+NOTE [nonlinear reads of a reduction]
+A node that reads a non-gradient reduction over the batch whole (``sqrt`` of
+a mean loss, the square of a batch mean) computes on the full-batch value.
+When that node's value reaches a gradient, the gradients are those of the
+full-batch loss, where DDP's are the average of each rank's local-loss
+gradients: the numbers differ, so :func:`insert_reductions` refuses the step
+(``ValueError`` naming the node).  Edges into ops that read only a value's
+metadata (``ones_like(loss)``, the seed of the backward) do not carry its
+value.  Reads whose result only feeds outputs or buffers (a returned
+``sqrt`` of the loss, BatchNorm's running statistics) are kept.
 
 NOTE [reduction after in-place updates]
 In step 2, a Partial value can be updated in place between two readers.  A
@@ -58,6 +78,17 @@ class Reduction:
     wait: torch.fx.Node
     gradient: bool
     """The gradient of a parameter (step 1 of NOTE [DDP's averaging]); these are bucketed."""
+    op: str = "avg"
+    """How the local values combine: ``avg`` (divide by the world size, then sum), ``sum``, ``max``, ``min``."""
+
+
+_REDUCE_OPS = ("avg", "sum", "max", "min")
+# Ops that read only their input's shape, dtype and device, never its values.
+_METADATA_ONLY = frozenset(
+    getattr(torch.ops.aten, name).default
+    for name in ("ones_like", "zeros_like", "empty_like", "sym_size", "sym_numel", "sym_stride")
+    if hasattr(getattr(torch.ops.aten, name), "default")
+)
 
 
 def mutated_inputs(node: torch.fx.Node) -> list[torch.fx.Node]:
@@ -76,17 +107,73 @@ def mutated_inputs(node: torch.fx.Node) -> list[torch.fx.Node]:
 
 
 def _average(
-    graph: torch.fx.Graph, source: torch.fx.Node, after: torch.fx.Node, group_name: str, world_size: int
+    graph: torch.fx.Graph,
+    source: torch.fx.Node,
+    after: torch.fx.Node,
+    group_name: str,
+    world_size: int,
+    op: str = "avg",
 ) -> tuple[torch.fx.Node, torch.fx.Node]:
-    """``div`` + ``all_reduce`` inserted after ``after``; returns ``(collective, wait)`` (the wait not yet placed)."""
+    """The ``all_reduce`` of ``op`` (``avg``: ``div`` first, then ``sum``) inserted after ``after``.
+
+    Returns ``(collective, wait)`` (the wait not yet placed).
+    """
+    reduced = source
+    if op == "avg":
+        with graph.inserting_after(after):
+            reduced = after = graph.call_function(torch.ops.aten.div.Tensor, (source, world_size))
+        reduced.meta["val"] = source.meta.get("val")
     with graph.inserting_after(after):
-        scaled = graph.call_function(torch.ops.aten.div.Tensor, (source, world_size))
-    with graph.inserting_after(scaled):
-        collective = graph.call_function(c10d.all_reduce.default, (scaled, "sum", group_name))
+        collective = graph.call_function(c10d.all_reduce.default, (reduced, "sum" if op == "avg" else op, group_name))
     with graph.inserting_after(collective):
         wait = graph.call_function(c10d.wait_tensor.default, (collective,))
-    scaled.meta["val"] = collective.meta["val"] = wait.meta["val"] = source.meta.get("val")
+    collective.meta["val"] = wait.meta["val"] = source.meta.get("val")
     return collective, wait
+
+
+def _reduce_op(node: torch.fx.Node, layout: Any, reader: str) -> str:
+    """How ``node``'s local values combine into its full-batch value (NOTE [full-batch values])."""
+    op = getattr(layout, "reduce_op", None)
+    if type(layout) is Partial and op in _REDUCE_OPS:
+        return op
+    raise ValueError(
+        f"{reader} reads node {node.name!r} ({node.format_node()}) whole, a reduction over the batch with layout "
+        f"{layout!r}, which data_parallel cannot turn into its full-batch value (it reduces {', '.join(_REDUCE_OPS)} "
+        "only). Return or use the per-sample values (or their sum, mean, max or min) instead."
+    )
+
+
+def _value_ancestors(targets: list[torch.fx.Node]) -> set[torch.fx.Node]:
+    """Nodes whose values reach ``targets`` (edges into metadata-only ops such as ``ones_like`` carry none)."""
+    seen: set[torch.fx.Node] = set()
+    todo = list(targets)
+    while todo:
+        n = todo.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n.target not in _METADATA_ONLY:
+            todo.extend(n.all_input_nodes)
+    return seen
+
+
+def _refuse_nonlinear_reads(
+    readers_of: dict[torch.fx.Node, list[torch.fx.Node]], layouts: dict[str, Any], gradients: list[torch.fx.Node]
+) -> None:
+    """NOTE [nonlinear reads of a reduction]: a gradient must not depend on a full-batch value."""
+    feeds_gradient = _value_ancestors(gradients)
+    for source, readers in readers_of.items():
+        for reader in readers:
+            if reader in feeds_gradient:
+                raise ValueError(
+                    f"node {reader.name!r} ({reader.format_node()}) reads {source.name!r}, a reduction over the "
+                    f"batch ({layouts.get(source.name)!r}), as a whole value, and the gradients depend on the "
+                    "result: the step's loss is not a sum or mean over samples (e.g. the sqrt of a mean squared "
+                    "error, or a function of a batch mean). DistributedDataParallel would apply it to each rank's "
+                    "local value and average the gradients; data_parallel would apply it to the full-batch value, "
+                    "so the parameters would differ from DDP's. Make the loss a sum or mean of per-sample terms "
+                    "(apply the nonlinearity per sample), or train this step with DistributedDataParallel."
+                )
 
 
 def insert_reductions(
@@ -99,7 +186,9 @@ def insert_reductions(
     group_name: str,
     world_size: int,
 ) -> list[Reduction]:
-    """Average across ranks every Partial gradient, and every other Partial value read whole (NOTE [DDP's averaging]).
+    """Average across ranks every Partial gradient, and reduce every other Partial value read whole.
+
+    NOTE [DDP's averaging], NOTE [full-batch values].
 
     Args:
         gm: the traced step (see :mod:`.step_trace`).
@@ -110,6 +199,11 @@ def insert_reductions(
 
     Returns:
         The inserted reductions, in graph order of their collectives.
+
+    Raises:
+        ValueError: a gradient depends on a reduction over the batch read whole
+            (NOTE [nonlinear reads of a reduction]); a reduction read whole has a
+            layout with no full-batch reduction (a norm over the batch).
     """
     graph = gm.graph
     nodes = list(graph.nodes)
@@ -145,10 +239,19 @@ def insert_reductions(
         for i in inputs:
             if by_name[i] in still and by_name[i] in by_name[name].all_input_nodes:  # not already fed an average
                 readers_of.setdefault(by_name[i], []).append(by_name[name])
+    pos = {n: i for i, n in enumerate(graph.nodes)}
     output = next(n for n in reversed(graph.nodes) if n.op == "output")
-    for a in output.args[0]:
+    returned: dict[torch.fx.Node, int] = {}
+    for k, a in enumerate(output.args[0]):
         if a in still:
             readers_of.setdefault(a, []).append(output)
+            returned.setdefault(a, k)
+    _refuse_nonlinear_reads(readers_of, layouts, gradients)
+    ops = {}
+    for source, readers in readers_of.items():
+        first = min(readers, key=pos.__getitem__)
+        who = f"output #{returned[source]} of the step" if source in returned else f"node {first.name!r}"
+        ops[source] = _reduce_op(source, layouts.get(source.name), who)
     mutations: dict[torch.fx.Node, list[torch.fx.Node]] = {}
     mutated_anywhere: set[torch.fx.Node] = set()
     for n in graph.nodes:
@@ -168,19 +271,19 @@ def insert_reductions(
             read = source
             while read.target in _ALIASES and read.args[0] not in mutated_anywhere and partial(read.args[0]):
                 read = read.args[0]
-            collective, wait = _average(graph, read, read, group_name, world_size)
+            collective, wait = _average(graph, read, read, group_name, world_size, ops[source])
             group = next(iter(versions.values()))
             group[0].prepend(wait)
             for reader in group:
                 reader.replace_input_with(source, wait)
-            reductions.append(Reduction(source, collective, wait, False))
+            reductions.append(Reduction(source, collective, wait, False, ops[source]))
             continue
         for version, group in versions.items():
-            collective, wait = _average(graph, source, version, group_name, world_size)
+            collective, wait = _average(graph, source, version, group_name, world_size, ops[source])
             group[0].prepend(wait)
             for reader in group:
                 reader.replace_input_with(source, wait)
-            reductions.append(Reduction(source, collective, wait, False))
+            reductions.append(Reduction(source, collective, wait, False, ops[source]))
     graph.lint()
     gm.recompile()
     order = {n: i for i, n in enumerate(graph.nodes)}

@@ -36,6 +36,7 @@ import torch.utils._pytree as pytree
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from .. import _compat
+from . import step_state
 
 log = logging.getLogger(__name__)
 
@@ -113,8 +114,9 @@ def static_key(step: StepArgs, batch_dims: Sequence[int | None]) -> tuple[Any, .
 
     Shapes, dtypes and devices of parameters, buffers, state and batch tensors
     (batch dim left out), the non-tensor arguments, each module's training
-    flags, each optimizer's hyperparameters and the structure (and non-tensor
-    values) of its state.
+    flags, plain attributes and hooks, each optimizer's hyperparameters and the
+    structure (and non-tensor values) of its state, the parameters' hooks
+    (NOTE [Python state of a traced step]).
     """
     batch_meta = []
     for i, dim in zip(step.batch_leaves, batch_dims):
@@ -139,6 +141,7 @@ def static_key(step: StepArgs, batch_dims: Sequence[int | None]) -> tuple[Any, .
         opt_meta.append((groups, state))
     return (
         str(step.treedef),
+        step_state.snapshot(step.modules, step.optimizers, step.params),
         others,
         tuple(_meta(p) for p in step.params),
         tuple(_meta(b) for b in step.buffers),
@@ -212,8 +215,15 @@ def trace_step(
     Raises:
         ValueError: a batch dim is out of range or has size < 2 (a size-1 dim
             cannot be symbolic); the step fails to trace (the message says
-            which op, e.g. a ``.item()``).
+            which op) or reads a tensor's value into Python (``.item()``, an
+            optimizer's CPU step count); a parameter has a post-accumulate-grad
+            hook; tracing changed Python state (an LR scheduler stepped inside
+            the step): NOTE [Python state of a traced step].
     """
+    step_state.refuse_post_accumulate_hooks(step.params)
+    schedulers = step_state.schedulers(step.optimizers)
+    python_state = step_state.snapshot(step.modules, step.optimizers, step.params)
+    python_state += step_state.scheduler_snapshot(schedulers)
     mode = _compat.symbolic_fake_mode()
     fakes: list[torch.Tensor] = []
     fixed = [*step.params, *step.buffers, *(step.optimizers[i].state[p][k] for i, p, k in step.state_slots)]
@@ -261,7 +271,13 @@ def trace_step(
         with contextlib.ExitStack() as stack:
             for j, fp in enumerate(fake_params):
                 if fp.requires_grad:
-                    hook = fp.register_post_accumulate_grad_hook(lambda p, j=j: accumulated.__setitem__(j, p.grad))
+                    for user_hook in step_state.pre_hooks(step.params[j]):  # on the local gradient, as under DDP
+                        stack.callback(fp.register_hook(user_hook).remove)
+                    # A detach made now reads the gradient's node as accumulated, before any later in-place
+                    # update (gradient clipping) moves the tensor's node on.
+                    hook = fp.register_post_accumulate_grad_hook(
+                        lambda p, j=j: accumulated.__setitem__(j, p.grad.detach())
+                    )
                     stack.callback(hook.remove)
             for m in step.modules:
                 names = dict(m.named_parameters(remove_duplicate=False))
@@ -302,11 +318,14 @@ def trace_step(
             "be traceable by make_fx: no .item()/.tolist() or Python control flow on tensor values (an optimizer "
             "keeping a CPU step count, e.g. Adam without capturable=True, reads it with .item())"
         ) from e
+    after = step_state.snapshot(step.modules, step.optimizers, step.params)
+    step_state.refuse_changes(python_state, after + step_state.scheduler_snapshot(schedulers))
+    step_state.refuse_local_scalars(gm, step)
     # The accumulated gradients were extra outputs only so their nodes can be found: take them out.
     output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
     outs = list(output.args[0])
     n_acc = len(record["accumulated"])
-    gradients = dict(zip(record["accumulated"], outs[len(outs) - n_acc :]))
+    gradients = dict(zip(record["accumulated"], (d.args[0] for d in outs[len(outs) - n_acc :])))
     output.args = (tuple(outs[: len(outs) - n_acc]),)
     for n in reversed(list(gm.graph.nodes)):  # record_function markers (Optimizer.step): not compilable, no effect
         if getattr(n.target, "namespace", None) == "profiler":
@@ -315,6 +334,16 @@ def trace_step(
     gm.recompile()
     alive = set(gm.graph.nodes)
     gradients = {j: n for j, n in gradients.items() if n in alive}
+    constants = [getattr(gm, n.target) for n in gm.graph.nodes if n.op == "get_attr"]
+    if constants:
+        # A tensor the step or a hook closes over (not a parameter or buffer) is held by the graph as is:
+        # in-place updates of it are seen, binding the name to another tensor is not.
+        log.info(
+            "data_parallel: the traced step holds %d tensor(s) it closes over as graph constants (shapes %s); "
+            "update them in place, a reassigned tensor is not seen",
+            len(constants),
+            [tuple(c.shape) for c in constants if isinstance(c, torch.Tensor)],
+        )
     # Every size but the batch dims is static, so each guard the trace recorded is about batch sizes.
     guards = [g.expr for g in mode.shape_env.guards]
     log.debug("traced step: %d nodes, batch symbols %s, guards %s", len(gm.graph.nodes), symbols, guards)
