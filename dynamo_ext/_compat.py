@@ -528,6 +528,29 @@ def group_ranks(name: str) -> tuple[int, ...]:
         return ()
 
 
+def group_sequence_number(name: str) -> int | None:
+    """How many collectives the group named ``name`` has issued so far, ``None`` when that cannot be read.
+
+    Feature probe: ``ProcessGroup._get_sequence_number_for_group()`` (gloo and
+    NCCL count every collective issued on the group, eager and
+    ``_c10d_functional`` alike; Flight Recorder reads the same number).
+    """
+    group = _resolve_group(name)
+    read = getattr(group, "_get_sequence_number_for_group", None)
+    if read is None:
+        return None
+    try:
+        return int(read())
+    except (RuntimeError, ValueError, TypeError, NotImplementedError):
+        return None
+
+
+def is_higher_order_op(target: Any) -> bool:
+    """Whether an FX node's target is a higher-order op (``torch._ops.HigherOrderOperator``)."""
+    hop = getattr(importlib.import_module("torch._ops"), "HigherOrderOperator", None)
+    return hop is not None and isinstance(target, hop)
+
+
 def group_is_fake(name: str) -> bool:
     """Whether the group named ``name`` runs on the single-process ``fake`` backend (no peer to meet)."""
     import torch.distributed as dist
