@@ -121,7 +121,7 @@ def _rank(rank: int, world: int, backend: str) -> dict:
     return out
 
 
-@pytest.fixture(scope="module", params=["aot_eager"])
+@pytest.fixture(scope="module", params=["aot_eager", "inductor"])
 def results(request):
     return request.param, run_on_ranks(_rank, request.param, nproc=WORLD)
 
