@@ -799,6 +799,20 @@ def no_tracing_context() -> Any:
     return torch._guards.tracing(None)
 
 
+def has_fake_tensor(args: Any) -> bool:
+    """Whether ``args`` (a call's arguments; lists and tuples one level deep) hold a fake tensor
+    (``torch._subclasses.fake_tensor.FakeTensor``), or a fake mode is active."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    if torch._guards.detect_fake_mode() is not None:
+        return True
+    for a in args:
+        for t in a if isinstance(a, (list, tuple)) else (a,):
+            if isinstance(t, FakeTensor):
+                return True
+    return False
+
+
 def fake_mode_of(values: list[Any]) -> Any:
     """The fake mode of the active ``TracingContext`` or of fake tensors among ``values``
     (``torch._guards.detect_fake_mode``); a new ``FakeTensorMode`` when there is none."""

@@ -34,6 +34,13 @@ What a rank cannot see without talking to its peers on every call:
   already wait inside the collective and then ends with the process group's
   timeout or error.
 
+NOTE [fake runs are not checked]
+A compiled graph may be run on fake tensors at compile time (DDPOptimizer's
+submodule compiler runs each compiled submodule to pass fake outputs on):
+no collective is issued, so the run has no stream position.  Such a run in a
+new context is neither checked nor remembered (its buckets run unmerged, on
+fake data); only the test for fake arguments is added to the new-context path.
+
 The bucket decisions (NOTE [buckets only where ranks agree]) are remembered
 with the context: each run of a graph sets, per group, whether its buckets run
 merged (:func:`merge_decision`), as decided at the check of its context.
@@ -69,9 +76,13 @@ class _State:
         """group -> whether the running graph's buckets on it run merged."""
         self.merged_away: dict[str, int] = {}
         """group -> collectives merged away by buckets so far (they count as issued, NOTE [collective stream check])."""
+        self.started: dict[str, tuple[GroupPlan, int]] = {}
+        """group -> (the graph that ran last on it, its first position); only while positions are tracked."""
 
 
 _state = _State()
+_track = False
+"""Whether new wrappers record each run's first position (NOTE [where each rank waits]); off: no cost per call."""
 
 
 def reset() -> None:
@@ -177,6 +188,8 @@ def checked(compiled: Callable[..., Any], plans: Sequence[GroupPlan]) -> Callabl
         CollectiveMismatchError: from :func:`.exchange.agree`.
     """
     plans = tuple(plans)
+    if _track:
+        return _checked_tracked(compiled, plans)
     if len(plans) == 1:
         return _checked_one_group(compiled, plans)
 
@@ -186,6 +199,8 @@ def checked(compiled: Callable[..., Any], plans: Sequence[GroupPlan]) -> Callabl
         for p in plans:
             decided = seen.get((last.get(p.group), p.digest))
             if decided is None:
+                if _compat.has_fake_tensor(args):
+                    return compiled(*args, **kwargs)  # NOTE [fake runs are not checked]
                 _check(plans, state)
                 state = _state
                 seen, last, merge = state.seen, state.last, state.merge
@@ -207,6 +222,8 @@ def _checked_one_group(compiled: Callable[..., Any], plans: tuple[GroupPlan, ...
         last = state.last
         decided = state.seen.get((last.get(group), digest))
         if decided is None:
+            if _compat.has_fake_tensor(args):
+                return compiled(*args, **kwargs)  # NOTE [fake runs are not checked]
             _check(plans, state)
             state = _state
             last = state.last
@@ -216,6 +233,76 @@ def _checked_one_group(compiled: Callable[..., Any], plans: tuple[GroupPlan, ...
         return compiled(*args, **kwargs)
 
     return _like(run, compiled)
+
+
+def _checked_tracked(compiled: Callable[..., Any], plans: tuple[GroupPlan, ...]) -> Callable[..., Any]:
+    """:func:`checked` that also records where each run starts on each group (NOTE [where each rank waits])."""
+    inner = _untracked(compiled, plans)
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        if _compat.has_fake_tensor(args):
+            return inner(*args, **kwargs)
+        for p in plans:
+            seq = _compat.group_sequence_number(p.group)
+            if seq is not None:
+                _state.started[p.group] = (p, seq + _state.merged_away.get(p.group, 0))
+        return inner(*args, **kwargs)
+
+    return _like(run, compiled)
+
+
+def _untracked(compiled: Callable[..., Any], plans: tuple[GroupPlan, ...]) -> Callable[..., Any]:
+    global _track
+    saved, _track = _track, False
+    try:
+        return checked(compiled, plans)
+    finally:
+        _track = saved
+
+
+def track_positions(on: bool = True) -> None:
+    """Record, from now on, where each checked compiled graph starts on each group (NOTE [where each rank waits]).
+
+    Costs one read of each group's collective count per call of graphs compiled
+    while on; the audit switches it on for the ranks it runs.
+    """
+    global _track
+    _track = on
+
+
+def in_flight() -> list[dict[str, Any]]:
+    """Per group a tracked graph ran on: the collective this rank entered last and its stream position.
+
+    NOTE [where each rank waits]
+    A rank blocked in a compiled graph's collective shows only the compiled
+    code's frames (and a resumed function's line, not the collective's).  With
+    positions tracked, each group's count of issued collectives tells which of
+    the last graph's collectives was entered last: position ``count - 1``.
+    Returned rows (JSON-able): ``group``, ``position`` (of the last collective
+    entered, -1 for none), ``collective`` (its description, ``""`` when it was
+    not one of the graph's, e.g. an eager collective after it), ``source``
+    (its line), ``in_graph`` (whether the graph had issued some but not all of
+    its collectives: the rank is inside it).  Safe to call from another thread.
+    """
+    rows = []
+    for group, (plan, start) in list(_state.started.items()):
+        seq = _compat.group_sequence_number(group)
+        if seq is None:
+            continue
+        issued = seq + _state.merged_away.get(group, 0)
+        k = issued - start
+        inside = 0 < k <= len(plan.records)
+        c = plan.records[k - 1] if inside else None
+        rows.append(
+            {
+                "group": group,
+                "position": issued - 1,
+                "collective": c.describe() if c is not None else "",
+                "source": c.source if c is not None else "",
+                "in_graph": inside,
+            }
+        )
+    return rows
 
 
 def _like(run: Callable[..., Any], compiled: Callable[..., Any]) -> Callable[..., Any]:
