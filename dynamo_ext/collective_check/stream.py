@@ -188,10 +188,12 @@ def checked(compiled: Callable[..., Any], plans: Sequence[GroupPlan]) -> Callabl
         CollectiveMismatchError: from :func:`.exchange.agree`.
     """
     plans = tuple(plans)
-    if _track:
-        return _checked_tracked(compiled, plans)
-    if len(plans) == 1:
-        return _checked_one_group(compiled, plans)
+    inner = _checked_one_group(compiled, plans) if len(plans) == 1 else _checked_groups(compiled, plans)
+    return _tracked(inner, compiled, plans) if _track else inner
+
+
+def _checked_groups(compiled: Callable[..., Any], plans: tuple[GroupPlan, ...]) -> Callable[..., Any]:
+    """:func:`checked` for a graph on several groups: every new context checked in one exchange."""
 
     def run(*args: Any, **kwargs: Any) -> Any:
         state = _state
@@ -235,9 +237,11 @@ def _checked_one_group(compiled: Callable[..., Any], plans: tuple[GroupPlan, ...
     return _like(run, compiled)
 
 
-def _checked_tracked(compiled: Callable[..., Any], plans: tuple[GroupPlan, ...]) -> Callable[..., Any]:
-    """:func:`checked` that also records where each run starts on each group (NOTE [where each rank waits])."""
-    inner = _untracked(compiled, plans)
+def _tracked(
+    inner: Callable[..., Any], compiled: Callable[..., Any], plans: tuple[GroupPlan, ...]
+) -> Callable[..., Any]:
+    """``inner`` (a checked ``compiled``) that also records where each run starts on each group
+    (NOTE [where each rank waits])."""
 
     def run(*args: Any, **kwargs: Any) -> Any:
         if _compat.has_fake_tensor(args):
@@ -249,15 +253,6 @@ def _checked_tracked(compiled: Callable[..., Any], plans: tuple[GroupPlan, ...])
         return inner(*args, **kwargs)
 
     return _like(run, compiled)
-
-
-def _untracked(compiled: Callable[..., Any], plans: tuple[GroupPlan, ...]) -> Callable[..., Any]:
-    global _track
-    saved, _track = _track, False
-    try:
-        return checked(compiled, plans)
-    finally:
-        _track = saved
 
 
 def track_positions(on: bool = True) -> None:
@@ -281,8 +276,9 @@ def in_flight() -> list[dict[str, Any]]:
     Returned rows (JSON-able): ``group``, ``position`` (of the last collective
     entered, -1 for none), ``collective`` (its description, ``""`` when it was
     not one of the graph's, e.g. an eager collective after it), ``source``
-    (its line), ``in_graph`` (whether the graph had issued some but not all of
-    its collectives: the rank is inside it).  Safe to call from another thread.
+    (its line), ``in_graph`` (whether that collective is one of the last
+    graph's: a rank whose stack is inside the graph waits in it).  Safe to call
+    from another thread.
     """
     rows = []
     for group, (plan, start) in list(_state.started.items()):
