@@ -66,7 +66,8 @@ def _agreed_graph_on_rank_0_only(rank: int, backend: str) -> tuple[str, float]:
         return x * 2
 
     ch, cg = torch.compile(h, backend=backend), torch.compile(g, backend=backend)
-    ch(torch.ones(4))  # every rank: agreed
+    cg(torch.ones(4))  # every rank: both compiled (compile time stays out of the timed part) and agreed
+    ch(torch.ones(4))
     start = time.monotonic()
     try:
         if rank == 0:
@@ -88,6 +89,7 @@ def _different_lines_same_shape(rank: int, backend: str) -> tuple[str, float]:
         return x + 200
 
     cf, cg = torch.compile(f, backend=backend), torch.compile(g, backend=backend)
+    cg(torch.ones(4))  # every rank: compiled and agreed
     start = time.monotonic()
     try:
         a = cf(torch.ones(4) * (rank + 1))
@@ -100,7 +102,9 @@ def _different_lines_same_shape(rank: int, backend: str) -> tuple[str, float]:
 def _rank(rank: int, world: int, backend: str) -> dict:
     from dynamo_ext import collective_check, config
 
-    config.collective_check_timeout_s = TIMEOUT_S
+    # Correct programs: the default timeout (a rank may wait at a check while its peer compiles, which takes
+    # well over 10 s for Inductor on a loaded machine); divergent ones: a small one, which they must not reach.
+    config.collective_check_timeout_s = 300.0
     out: dict = {}
     for name, case in (("print", _print_case), ("dependency", _dependency_case)):
         torch._dynamo.reset()
@@ -113,6 +117,7 @@ def _rank(rank: int, world: int, backend: str) -> dict:
             ok.append(all(torch.allclose(e, c) for e, c in zip(eager, got)))
         out[name] = ok
         dist.barrier()
+    config.collective_check_timeout_s = TIMEOUT_S
     for name, case in (("rank_0_only", _agreed_graph_on_rank_0_only), ("same_shape", _different_lines_same_shape)):
         torch._dynamo.reset()
         out[name] = case(rank, backend)
