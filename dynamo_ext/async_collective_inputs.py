@@ -27,9 +27,10 @@ those fakes that lost it.  The fake is changed in place, not replaced: the
 symbolic-shape context AOTAutograd keeps per input is keyed by the fake's
 identity.  At run time the compiled ``autograd.Function`` receives the ACT
 itself (the wait happens inside its forward), so the gradient for that input
-flows back through the ACT's ``grad_fn``.  A release whose ``process_inputs``
-keeps ACT inputs as subclasses keeps ``requires_grad`` and is left as it is: the
-wrapper acts only on a fake that lost the flag.  A DTensor input whose local
+flows back through the ACT's ``grad_fn``.  On 2.11, whose ``process_inputs``
+keeps ACT inputs as subclasses (with their ``requires_grad``; eager's gradients,
+tested), nothing is wrapped (``_compat.aot_unwraps_async_collective_inputs``);
+where it is wrapped, the wrapper acts only on a fake that lost the flag.  A DTensor input whose local
 tensor is an ACT (``redistribute(..., async_op=True)`` without ``to_local``) is
 left alone: it keeps its ``requires_grad`` on 2.13 (kept as it is) and on 2.15
 (rebuilt around the waited local tensor), as a compiled ``d * 2`` shows.  AOTAutograd's cache keys on
@@ -91,11 +92,11 @@ def _keep_requires_grad(original: Any, act_type: type) -> Any:
 
 
 def install(patches: Patcher) -> None:
-    """Wrap AOTAutograd's ``process_inputs`` where this release has it (a no-op otherwise)."""
+    """Wrap AOTAutograd's ``process_inputs`` where it unwraps ACT inputs (2.12 to 2.15; a no-op on 2.11)."""
     act_type = _compat.async_collective_tensor_type()
     original, owners = _compat.aot_process_inputs()
-    if act_type is None or original is None:
-        log.debug("no AsyncCollectiveTensor or no AOTAutograd process_inputs: ACT inputs keep stock behaviour")
+    if act_type is None or original is None or not _compat.aot_unwraps_async_collective_inputs():
+        log.debug("AOTAutograd does not unwrap AsyncCollectiveTensor inputs here: they keep stock behaviour")
         return
     wrapped = _keep_requires_grad(original, act_type)
     for owner in owners:
