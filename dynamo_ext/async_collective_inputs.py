@@ -27,8 +27,8 @@ symbolic-shape context AOTAutograd keeps per input is keyed by the fake's
 identity.  At run time the compiled ``autograd.Function`` receives the ACT itself
 (the wait happens inside its forward), so the gradient for that input flows back
 through the ACT's ``grad_fn``.  AOTAutograd's cache keys on the fakes'
-``requires_grad``, so an entry compiled without the fix is not reused (checked
-on 2.13: a stock run's entry is a miss with the plugin).
+``requires_grad``, so an entry compiled without the fix is not reused (tested
+with the collective check off, which otherwise bypasses that cache for such graphs).
 
 On 2.11 ``process_inputs`` keeps ACT inputs as subclasses, with their
 ``requires_grad`` (eager's gradients, tested), and nothing is wrapped
