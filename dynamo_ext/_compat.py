@@ -953,6 +953,19 @@ def aot_process_inputs() -> tuple[Any, tuple[Any, ...]]:
     return original, owners
 
 
+def aot_unwraps_async_collective_inputs() -> bool:
+    """Whether AOTAutograd replaces ``AsyncCollectiveTensor`` inputs by their waited local tensor before
+    fakifying them: its ``ViewAndMutationMeta`` records where they were (``act_input_indices`` on 2.12 and
+    2.13, ``act_input_paths`` on 2.14 and 2.15; neither on 2.11, which fakifies them as subclasses)."""
+    import dataclasses
+
+    meta = optional_attr("torch._functorch._aot_autograd.schemas", "ViewAndMutationMeta")
+    if meta is None or not dataclasses.is_dataclass(meta):
+        return False
+    names = {f.name for f in dataclasses.fields(meta)}
+    return bool(names & {"act_input_indices", "act_input_paths"})
+
+
 def async_collective_tensor_type() -> type | None:
     """``torch.distributed._functional_collectives.AsyncCollectiveTensor`` (what ``DTensor.to_local()``
     returns after an ``async_op=True`` redistribute), or ``None`` where absent."""

@@ -10,30 +10,32 @@ reduce-scatters its output and hands the ACT to the first transformer block,
 which torchtitan compiles on its own.  The ACT requires grad (its ``grad_fn``
 is ``to_local``'s backward); its ``elem`` does not.
 
-AOTAutograd's ``process_inputs`` (torch 2.12 to 2.15; 2.11 keeps ACT inputs as
-subclasses) replaces each top-level ACT input with ``act.trigger_wait()``, the
-``elem``, before it makes fake inputs, so that the traced metadata never records
-an ACT (its runtime wrapper waits on the ACT again before the compiled graph
-reads it).
-That fake no longer requires grad: when nothing else requiring grad enters the
-region AOTAutograd compiles an inference graph and backward raises "element 0
-of tensors does not require grad"; in a block with parameters it differentiates
-only with respect to the parameters, so the gradient to the ACT's producer, and
-to everything before it (the embedding's weight), is silently dropped.
+AOTAutograd's ``process_inputs`` (torch 2.12 to 2.15) replaces each top-level
+ACT input with ``act.trigger_wait()``, the ``elem``, before it makes fake
+inputs, so that the traced metadata never records an ACT (its runtime wrapper
+waits on the ACT again before the compiled graph reads it).  That fake no longer
+requires grad.  When nothing else requiring grad enters the region, AOTAutograd
+compiles an inference graph and backward raises "element 0 of tensors does not
+require grad"; in a block with parameters it differentiates with respect to the
+parameters only, and the gradient to everything before the ACT (the
+embedding's weight) is silently dropped (torchtitan's embedding gets zeros).
 
 We wrap ``process_inputs``: it notes which inputs are ACTs that require grad,
-lets the original fakify them, and sets ``requires_grad`` again on each of
-those fakes that lost it.  The fake is changed in place, not replaced: the
+lets the original fakify them, and sets ``requires_grad`` again on each of those
+fakes that lost it.  The fake is changed in place, not replaced: the
 symbolic-shape context AOTAutograd keeps per input is keyed by the fake's
-identity.  At run time the compiled ``autograd.Function`` receives the ACT
-itself (the wait happens inside its forward), so the gradient for that input
-flows back through the ACT's ``grad_fn``.  A release whose ``process_inputs``
-keeps ACT inputs as subclasses keeps ``requires_grad`` and is left as it is: the
-wrapper acts only on a fake that lost the flag.  A DTensor input whose local
+identity.  At run time the compiled ``autograd.Function`` receives the ACT itself
+(the wait happens inside its forward), so the gradient for that input flows back
+through the ACT's ``grad_fn``.  AOTAutograd's cache keys on the fakes'
+``requires_grad``, so an entry compiled without the fix is not reused (tested
+with the collective check off, which otherwise bypasses that cache for such graphs).
+
+On 2.11 ``process_inputs`` keeps ACT inputs as subclasses, with their
+``requires_grad`` (eager's gradients, tested), and nothing is wrapped
+(``_compat.aot_unwraps_async_collective_inputs``).  A DTensor input whose local
 tensor is an ACT (``redistribute(..., async_op=True)`` without ``to_local``) is
 left alone: it keeps its ``requires_grad`` on 2.13 (kept as it is) and on 2.15
-(rebuilt around the waited local tensor), as a compiled ``d * 2`` shows.  AOTAutograd's cache keys on
-the fakes' ``requires_grad``, so an entry compiled without the fix is not reused.
+(rebuilt around the waited local tensor), as a compiled ``d * 2`` shows.
 """
 
 from __future__ import annotations
@@ -91,11 +93,11 @@ def _keep_requires_grad(original: Any, act_type: type) -> Any:
 
 
 def install(patches: Patcher) -> None:
-    """Wrap AOTAutograd's ``process_inputs`` where this release has it (a no-op otherwise)."""
+    """Wrap AOTAutograd's ``process_inputs`` where it unwraps ACT inputs (2.12 to 2.15; a no-op on 2.11)."""
     act_type = _compat.async_collective_tensor_type()
     original, owners = _compat.aot_process_inputs()
-    if act_type is None or original is None:
-        log.debug("no AsyncCollectiveTensor or no AOTAutograd process_inputs: ACT inputs keep stock behaviour")
+    if act_type is None or original is None or not _compat.aot_unwraps_async_collective_inputs():
+        log.debug("AOTAutograd does not unwrap AsyncCollectiveTensor inputs here: they keep stock behaviour")
         return
     wrapped = _keep_requires_grad(original, act_type)
     for owner in owners:

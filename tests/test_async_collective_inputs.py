@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import dynamo_ext
-from dynamo_ext import async_collective_inputs
+from dynamo_ext import _compat, async_collective_inputs, config
 
 LOGGER = "dynamo_ext.async_collective_inputs"
 
@@ -53,7 +53,8 @@ def test_act_input_alone_keeps_its_gradient(world, backend, caplog):
     assert len(seen) == 1
     torch.testing.assert_close(seen[0], 2 + xd.cos())
     assert w.grad is not None and w.grad.shape == (8, 4)
-    assert any("position(s) [0]" in r.getMessage() for r in caplog.records if r.name == LOGGER)
+    logged = any("position(s) [0]" in r.getMessage() for r in caplog.records if r.name == LOGGER)
+    assert logged == _compat.aot_unwraps_async_collective_inputs()  # 2.11 keeps ACT inputs: nothing to restore
 
 
 def test_act_input_of_a_block_with_parameters_keeps_its_gradient(world):
@@ -98,7 +99,41 @@ def test_uninstall_restores_process_inputs():
     before = aot_autograd.process_inputs
     dynamo_ext.install()
     try:
-        assert aot_autograd.process_inputs is not before
+        wrapped = aot_autograd.process_inputs is not before
+        assert wrapped == _compat.aot_unwraps_async_collective_inputs()
     finally:
         dynamo_ext.uninstall()
     assert aot_autograd.process_inputs is before
+
+
+def test_a_cache_entry_compiled_without_the_plugin_is_not_reused(tmp_path, monkeypatch):
+    from helpers import fake_world
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    counters = _compat.dynamo_counters()
+
+    def run() -> torch.Tensor:
+        torch._dynamo.reset()
+        counters.clear()
+        w = torch.randn(8, 4, requires_grad=True)
+        out = torch.compile(lambda x: x * 2 + x.sin(), backend="inductor", fullgraph=True)(_act(w))
+        if out.requires_grad:
+            out.sum().backward()  # a training entry is saved once its backward is compiled
+        return out
+
+    # The collective check compiles graphs with subclass inputs outside AOTAutograd's cache; off, the cache is used.
+    with fake_world(4), config.patch(collective_check=False):
+        stock = run()
+        saved = counters["aot_autograd"]["autograd_cache_saved"]
+        dynamo_ext.install()
+        try:
+            fixed = run()
+            hits = counters["aot_autograd"]["autograd_cache_hit"]
+            warm = run()  # a warm restart with the plugin: its own entry is reused
+            warm_hits = counters["aot_autograd"]["autograd_cache_hit"]
+        finally:
+            dynamo_ext.uninstall()
+    if _compat.aot_unwraps_async_collective_inputs():
+        assert not stock.requires_grad and saved == 1  # stock's inference graph went into the cache
+    assert fixed.requires_grad and hits == 0
+    assert warm.requires_grad and warm_hits == 1
