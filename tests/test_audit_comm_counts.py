@@ -1,7 +1,7 @@
 """The communication report's counts against eager ``CommDebugMode``'s: each difference carries a reason, or MISMATCH.
 
 Tier 1 on merged rank events (NOTE [count differences] in dynamo_ext/audit/comm_explain.py); the real runs are
-tests/test_audit_titan_llama.py (a module group behind a graph break, a hook compiled as its own frame) and
+tests/test_audit_titan_llama.py (FSDP2 prefetch, activation-checkpoint recomputation) and
 tests/test_audit_example.py (counts equal); one small real run here (a module behind a graph break).
 """
 
