@@ -382,6 +382,25 @@ def fsdp_single_param_group() -> bool:
     return state_cls is not None and "_fsdp_param_groups" not in state_cls.__init__.__code__.co_names
 
 
+def source_name(source: Any) -> str:
+    """A Dynamo ``Source``'s name: a property from 2.13 on, a method before."""
+    name = source.name
+    return name() if callable(name) else name
+
+
+def fsdp_param_module_fqn(fsdp_param: Any) -> str | None:
+    """Root-relative path of the module holding an ``FSDPParam``'s parameter (``"output"`` for ``output.weight``).
+
+    From the parameter's FQN that FSDP2's root lazy init sets (``_param_fqn``) minus its name in its module
+    (``_module_info.param_name``); ``None`` before lazy init or where this release names them otherwise.
+    """
+    fqn = getattr(fsdp_param, "_param_fqn", None)
+    name = getattr(getattr(fsdp_param, "_module_info", None), "param_name", None)
+    if not isinstance(fqn, str) or not isinstance(name, str) or not (fqn == name or fqn.endswith("." + name)):
+        return None
+    return fqn[: -len(name)].rstrip(".")
+
+
 @functools.cache
 def fsdp_group_hook_codes() -> tuple[Any, Any, Any] | None:
     """Code objects of the forward hooks ``fully_shard([a, b, ...])`` registers, or ``None``.

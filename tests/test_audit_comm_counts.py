@@ -1,7 +1,7 @@
 """The communication report's counts against eager ``CommDebugMode``'s: each difference carries a reason, or MISMATCH.
 
 Tier 1 on merged rank events (NOTE [count differences] in dynamo_ext/audit/comm_explain.py); the real runs are
-tests/test_audit_titan_llama.py (a module group behind a graph break, a hook compiled as its own frame) and
+tests/test_audit_titan_llama.py (FSDP2 prefetch, activation-checkpoint recomputation) and
 tests/test_audit_example.py (counts equal); one small real run here (a module behind a graph break).
 """
 
@@ -149,6 +149,94 @@ def test_fsdp_hooks_run_eagerly_around_compiled_blocks_are_the_c10d_surplus():
     del events[-1]["eager_comm"]["modules_c10d"]
     (d,) = merge({0: events}, target="t", world_size=1, backend="").comm.count_differences
     assert d.unexplained == "layers.0: compiled 2, eager 3"
+
+
+def _one_graph(forward: list[dict], backward: list[dict], modules: dict, c10d: dict) -> list[dict]:
+    """One rank, one compiled graph (forward + AOT backward), and the eager step's per-module counts."""
+    glob = modules["Global"]
+    return [
+        _compile("0/0", "forward"),
+        {"ev": "comm_graph", "compile_id": "0/0", "graph": "forward", "aot_id": 0, "inlined_aot_ids": [],
+         "collectives": forward},
+        {"ev": "comm_graph", "compile_id": "0/0", "graph": "backward", "aot_id": 0, "inlined_aot_ids": [],
+         "collectives": backward},
+        {"ev": "end", "counters": {}},
+        {"ev": "numerics", "compared": 1, "mismatches": [],
+         "eager_comm": {"forward": glob["forward"], "backward": glob["backward"], "modules": modules,
+                        "modules_c10d": c10d}},
+    ]  # fmt: skip
+
+
+def test_fsdp2_backward_gathers_where_eager_prefetches_them_are_no_eager_run():
+    """Traced FSDP2, no break: eager counts a unit's backward gather in the unit after it (prefetch), gathers more.
+
+    ``tok`` (an embedding: its backward uses no weight), ``layers.0`` (resharded after forward, re-gathered)
+    and ``head`` (a module group kept unsharded): the compiled backward gathers layers.0's parameters only;
+    eager FSDP2 gathers layers.0's in head's backward hook and tok's in layers.0's.  ``head`` has no compiled
+    backward collective, yet nothing ran eagerly.
+    """
+    ag = "all_gather_into_tensor"
+    forward = [_coll(0, ag, "all_gather", module="tok"), _coll(1, ag, "all_gather", module="layers.0"),
+               _coll(2, ag, "all_gather", module="layers.0"), _coll(3, ag, "all_gather", module="head")]  # fmt: skip
+    backward = [_coll(0, ag, "all_gather", module="layers.0"), _coll(1, ag, "all_gather", module="layers.0")]
+    modules = {"Global": {"forward": {"all_gather": 3}, "backward": {"all_gather": 2}},
+               "<root>": {"forward": {"all_gather": 3}, "backward": {"all_gather": 2}},
+               "tok": {"forward": {"all_gather": 1}, "backward": {}},
+               "layers.0": {"forward": {"all_gather": 1}, "backward": {"all_gather": 1}},
+               "head": {"forward": {"all_gather": 1}, "backward": {"all_gather": 1}}}  # fmt: skip
+    events = _one_graph(forward, backward, modules, modules)  # every eager collective is FSDP2's (c10d)
+    comm = merge({0: events}, target="t", world_size=1, backend="").comm
+    (d,) = comm.count_differences
+    assert (d.phase, d.kind, d.compiled, d.eager, d.unexplained) == ("backward", "all_gather", 1, 2, "")
+    assert d.reasons == (
+        "head: compiled 0, eager 1: FSDP2's all_gathers differ (compiled 0, eager 1), DTensor's agree",
+        "FSDP2's backward all_gathers in all: compiled 1 (layers.0 1), eager 2 (head 1, layers.0 1): eager FSDP2 "
+        "all-gathers a unit's parameters for its backward ahead, in the backward hook of the unit after it in "
+        "forward order (prefetch), where CommDebugMode counts it, and re-gathers every unit it resharded after "
+        "forward; the compiled backward gathers a unit's parameters where its backward uses them, and not those "
+        "of head, tok (kept from the forward, reshard_after_forward=False, or unused by the backward, as an "
+        "embedding's weight)",
+    )
+    assert not any("eagerly" in r for r in d.reasons)
+    # behind a graph break the same counts are FSDP2's hooks run eagerly: that reason stays
+    from dynamo_ext.audit.comm_explain import explain_counts
+
+    (d,) = explain_counts(
+        dict([((p, k), n) for p, k, n in comm.counts]), {("backward", "all_gather"): 2, ("forward", "all_gather"): 3},
+        modules, list(comm.collectives), list(comm.collectives), ["train.py:7"], eager_c10d=modules,
+    )  # fmt: skip
+    assert d.reasons == ("head: compiled 0, eager 1: no compiled graph has a collective of it: ran eagerly (graph "
+                         "breaks at train.py:7)",)  # fmt: skip
+
+
+def test_activation_checkpoint_recompute_is_the_backward_surplus():
+    """layers.1's compiled backward reruns its forward reduce-scatter (its output is saved by eager, recomputed here)."""
+    rs = "reduce_scatter_tensor"
+    forward = [_coll(0, rs, "reduce_scatter", origin="dtensor", module="layers.0.w2"),
+               _coll(1, rs, "reduce_scatter", origin="dtensor", module="layers.1.w2")]  # fmt: skip
+    grads = [_coll(i, rs, "reduce_scatter", origin="dtensor", module=f"layers.{i}.ff") for i in (0, 1)]
+    for c in grads:
+        c["line"] = 5  # the input gradient's reduce-scatter: another line than any forward one
+    recompute = _coll(2, rs, "reduce_scatter", origin="dtensor", module="layers.1.w2")
+    modules = {"Global": {"forward": {"reduce_scatter": 2}, "backward": {"reduce_scatter": 2}},
+               "<root>": {"forward": {"reduce_scatter": 2}, "backward": {"reduce_scatter": 2}},
+               "layers.0": {"forward": {"reduce_scatter": 1}, "backward": {"reduce_scatter": 1}},
+               "layers.1": {"forward": {"reduce_scatter": 1}, "backward": {"reduce_scatter": 1}}}  # fmt: skip
+    c10d = {m: {"forward": {}, "backward": {}} for m in modules}
+    (d,) = merge({0: _one_graph(forward, [*grads, recompute], modules, c10d)}, target="t", world_size=1,
+                 backend="").comm.count_differences  # fmt: skip
+    assert (d.phase, d.kind, d.compiled, d.eager, d.unexplained) == ("backward", "reduce_scatter", 3, 2, "")
+    assert d.reasons == (
+        "layers.1: compiled 2, eager 1: its compiled backward recomputes 1 of its forward reduce_scatter(s) "
+        "(layers.1.w2), 1 more than eager's backward: activation checkpointing, whose eager recomputation stops "
+        "once the region's saved tensors are rebuilt, while the compiled partitioner recomputes a checkpointed "
+        "output that later code's backward needs instead of saving it",
+    )
+    # another shape is no rerun of the forward's: the surplus stays unexplained
+    recompute["shape_in"] = [8]
+    (d,) = merge({0: _one_graph(forward, [*grads, recompute], modules, c10d)}, target="t", world_size=1,
+                 backend="").comm.count_differences  # fmt: skip
+    assert (d.reasons, d.unexplained) == ((), "layers.1: compiled 2, eager 1")
 
 
 def test_eager_module_names_as_the_report_writes_them():

@@ -132,3 +132,17 @@ def test_group_pass_started_by_eager_fsdp2_hooks_is_a_named_graph_break(world):
     with pytest.raises(torch._dynamo.exc.Unsupported, match=graph_breaks.FSDP_UNTRACED.gb_type) as info:
         torch.compile(lambda t: net.out(t), backend="eager", fullgraph=True)(h)
     assert "whose pass FSDP2's eager hooks started" in str(info.value)
+
+
+def test_group_module_reached_through_the_state_is_named_by_its_path(world):
+    """``out`` is first reached by the group's hooks (through the FSDP2 state): the audit still names it ``out``."""
+    from dynamo_ext.audit.comm import module_path
+
+    net = _sharded()
+    backend = CountingBackend()
+    torch.compile(net, backend=backend, fullgraph=True)(torch.randn(2, 8))
+    raw = {str(list(n.meta["nn_module_stack"].values())[-1][0]) for gm in backend.graphs for n in gm.graph.nodes
+           if n.meta.get("nn_module_stack")}  # fmt: skip
+    assert any("._module_info.module" in r for r in raw), raw  # what Dynamo calls it
+    paths = {module_path(n) for gm in backend.graphs for n in gm.graph.nodes if n.meta.get("nn_module_stack")}
+    assert paths == {"<root>", "inp", "norm", "out"}, paths

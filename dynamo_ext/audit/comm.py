@@ -53,6 +53,7 @@ import torch
 
 from .. import _compat
 from ..node_origin import group_name, stack_frames, user_frame
+from ..variables import fsdp_sources
 from .identity import normalize_path
 
 log = logging.getLogger(__name__)
@@ -181,7 +182,10 @@ def module_path(node: torch.fx.Node) -> str | None:
     stack = node.meta.get("nn_module_stack") or node.meta.get("fwd_nn_module_stack")
     if not stack:
         return None
-    path = _MODULES_DICT.sub(r".\1", _ROOT_KEY.sub("", str(list(stack.values())[-1][0])))
+    raw = str(list(stack.values())[-1][0])
+    # A module the traced FSDP2 hooks reached first (NOTE [modules reached through an FSDP2 state]).
+    resolved = fsdp_sources.module_path_through_state(raw)
+    path = _MODULES_DICT.sub(r".\1", resolved if resolved is not None else _ROOT_KEY.sub("", raw))
     return path.replace(_CHECKPOINT_WRAPPED, "").lstrip(".") or "<root>"
 
 

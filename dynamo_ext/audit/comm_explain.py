@@ -21,11 +21,32 @@ differences therefore add up to the total difference, and each gets a reason:
 - compiled only, outside any module: a graph compiled from a hook or function
   that is no module (its collectives have no module path), which eager counts
   in the module whose hook ran it;
+- FSDP2 traced in the compiled graphs (they hold FSDP2 collectives of that
+  phase and kind), no graph break, and the unit's DTensor collectives agree
+  (its count minus FSDP2's, on both sides): FSDP2's collectives sit in another
+  unit or are fewer.  Eager FSDP2 all-gathers a unit's parameters for its
+  backward ahead, from the backward hook of the unit after it in forward
+  order (prefetch), and ``CommDebugMode`` counts the gather there; it
+  re-gathers every unit it resharded after forward, where the compiled
+  backward gathers only parameters its backward uses (an embedding's backward
+  uses no weight) and keeps those not resharded (``reshard_after_forward=False``,
+  e.g. the last module group).  One more reason gives FSDP2's totals of the
+  phase and kind on both sides (see NOTE [modules reached through an FSDP2
+  state] in :mod:`dynamo_ext.variables.fsdp_sources` for how the compiled
+  graphs name a module group's modules);
 - a unit with compiled collectives whose eager count has more: when its
   DTensor (functional) collectives agree and no compiled graph has an FSDP2 or
   explicit collective of it, the eager surplus is c10d's own ops (FSDP2's hooks,
   explicit ``dist`` calls) that ran eagerly (``CommDebugMode`` counts those
   apart: ``modules_c10d`` of :func:`.comm_merge.count_eager`);
+- a unit whose compiled backward has more than eager's, where at least that
+  many of its compiled backward collectives of the kind recompute one of its
+  compiled forward collectives (same module, line, shapes and group) and its
+  FSDP2 collectives agree: activation checkpointing's recomputation.  Eager's
+  stops once the tensors the region saved are rebuilt; the compiled
+  partitioner also recomputes, rather than saves, a checkpointed output that
+  later code's backward needs (the last block's output, which the final norm
+  saves);
 - anything else is left unexplained and the report says MISMATCH.
 """
 
@@ -95,6 +116,7 @@ def explain_counts(
         mine: dict[str, int] = defaultdict(int)
         mine_c10d: dict[str, int] = defaultdict(int)  # FSDP2's and explicit ones: c10d ops when eager
         graphs: dict[str, set[str]] = defaultdict(set)
+        mine_fsdp = [c for c in counted if c.phase == phase and c.kind == kind and c.origin == "fsdp"]
         for c in counted:
             if c.phase == phase and c.kind == kind:
                 mine[_unit(c.module, tops)] += 1
@@ -105,14 +127,23 @@ def explain_counts(
         theirs_c10d = _eager_units(eager_c10d, tops, phase, kind) if eager_c10d is not None else {}
         # Compiled only outside any module: a hook's graph, whose collective eager counts in the hook's module.
         hooked = mine.get(OUTSIDE, 0) > theirs.get(OUTSIDE, 0)
+        # FSDP2 traced, nothing eager around it: its collectives are placed or numbered otherwise than eager's.
+        fsdp_traced = eager_c10d is not None and not breaks and any(c.origin == "fsdp" for c in mine_fsdp)
+        units = [*tops, ROOT, OUTSIDE, *sorted(set(mine) - {*tops, ROOT, OUTSIDE})]
         reasons, unexplained = [], []
-        for unit in [*tops, ROOT, OUTSIDE, *sorted(set(mine) - {*tops, ROOT, OUTSIDE})]:
+        fsdp_moved = False
+        for unit in units:
             x, y = mine.get(unit, 0), theirs.get(unit, 0)
             if x == y:
                 continue
             where = f"{unit}: compiled {x}, eager {y}"
+            mc, tc = mine_c10d.get(unit, 0), theirs_c10d.get(unit, 0)
+            recomputed = _recomputed(counted, unit, tops, kind) if phase == "backward" and x > y else []
             if x == 0 and not in_phase:
                 reasons.append(f"{where}: the {phase} ran eagerly, its collectives are in no compiled graph")
+            elif fsdp_traced and mc != tc and x - mc == y - tc:
+                fsdp_moved = True
+                reasons.append(f"{where}: FSDP2's {kind}s differ (compiled {mc}, eager {tc}), DTensor's agree")
             elif x == 0 and unit not in in_phase:
                 at = f" (graph breaks at {', '.join(breaks[:3])}{', ...' if len(breaks) > 3 else ''})" if breaks else ""
                 also = f", or in a graph of no module ({OUTSIDE})" if hooked else ""
@@ -133,10 +164,70 @@ def explain_counts(
                     f"{where}: compiled in a graph of no module ({names}: a hook or function compiled as a frame of "
                     "its own); eager counts it in the module whose hook ran it"
                 )
+            elif recomputed and len(recomputed) >= x - y and mc == tc:
+                names = ", ".join(sorted({c.module for c in recomputed}))
+                reasons.append(
+                    f"{where}: its compiled backward recomputes {len(recomputed)} of its forward {kind}(s) ({names}), "
+                    f"{x - y} more than eager's backward: activation checkpointing, whose eager recomputation "
+                    "stops once the region's saved tensors are rebuilt, while the compiled partitioner recomputes "
+                    "a checkpointed output that later code's backward needs instead of saving it"
+                )
             else:
                 unexplained.append(where)
+        if fsdp_moved:
+            reasons.append(_fsdp_totals(phase, kind, colls, counted, eager_c10d or {}, tops, units))
         out.append(CountDifference(phase, kind, a, b, tuple(reasons), "; ".join(unexplained)))
     return tuple(out)
+
+
+def _recomputed(counted: list[Collective], unit: str, tops: list[str], kind: str) -> list[Collective]:
+    """The unit's compiled backward collectives of ``kind`` that repeat one of its compiled forward ones."""
+
+    def key(c: Collective) -> tuple:
+        return (c.module, c.kind, c.origin, c.file, c.line, c.shape_in, c.shape_out, c.group)
+
+    mine = [c for c in counted if c.kind == kind and _unit(c.module, tops) == unit and c.origin != "fsdp"]
+    forward = {key(c) for c in mine if c.phase == "forward"}
+    return [c for c in mine if c.phase == "backward" and key(c) in forward]
+
+
+def _fsdp_totals(
+    phase: str,
+    kind: str,
+    colls: list[Collective],
+    counted: list[Collective],
+    eager_c10d: dict[str, dict[str, dict[str, int]]],
+    tops: list[str],
+    units: list[str],
+) -> str:
+    """FSDP2's (phase, kind) collectives in all, per unit on both sides, and why eager's sit or number otherwise."""
+    mine: dict[str, int] = defaultdict(int)
+    for c in counted:
+        if c.phase == phase and c.kind == kind and c.origin in ("fsdp", "explicit"):
+            mine[_unit(c.module, tops)] += 1
+    theirs = _eager_units(eager_c10d, tops, phase, kind)
+
+    def listed(n: dict[str, int]) -> str:
+        return f"{sum(n.values())} ({', '.join(f'{u} {n[u]}' for u in units if n.get(u, 0) > 0) or 'none'})"
+
+    text = f"FSDP2's {phase} {kind}s in all: compiled {listed(mine)}, eager {listed(theirs)}"
+    if kind == "all_gather" and phase == "backward":
+        gathered = {_unit(c.module, tops) for c in colls if c.origin == "fsdp" and c.kind == kind and not c.inlined}
+        again = {_unit(c.module, tops) for c in colls if c.origin == "fsdp" and c.kind == kind and c.phase == phase}
+        kept = ", ".join(u for u in units if u in gathered - again) or "none"
+        text += (
+            ": eager FSDP2 all-gathers a unit's parameters for its backward ahead, in the backward hook of the unit "
+            "after it in forward order (prefetch), where CommDebugMode counts it, and re-gathers every unit it "
+            "resharded after forward; the compiled backward gathers a unit's parameters where its backward uses "
+            f"them, and not those of {kept} (kept from the forward, reshard_after_forward=False, or unused by "
+            "the backward, as an embedding's weight)"
+        )
+    else:
+        text += (
+            ": eager FSDP2's hooks issue them in the unit whose hook ran them, the compiled graphs where the "
+            "parameters are used"
+        )
+    return text
 
 
 def eager_modules_of(events: list[dict[str, Any]], key: str = "modules") -> dict[str, dict[str, dict[str, int]]] | None:

@@ -35,7 +35,7 @@ from typing import Any
 
 from .. import _compat, graph_breaks
 from ..guards.spec import GuardSpec, install_spec_guard
-from . import fsdp_reduce
+from . import fsdp_reduce, fsdp_sources
 from .base import wrap_constant
 from .functions import register_handler, register_polyfill
 
@@ -322,6 +322,7 @@ def check_state(tx: Any, args: list[Any], kwargs: dict[str, Any]) -> None:
             "checkpoint inside the FSDP2 module instead (around its submodules' compute)",
         )
     install_spec_guard(args[0].source, CONFIG_GUARD)
+    fsdp_sources.remember_state(args[0].source, state)  # NOTE [modules reached through an FSDP2 state]
     # One decision for the whole FSDP tree: traced hooks and eager FSDP2 hooks
     # do not mix within one backward (the eager root would not queue its callback).
     states = getattr(getattr(state, "_state_ctx", None), "all_states", None) or [state]
