@@ -66,6 +66,18 @@ class Net(nn.Module):
         return self.out(h)
 
 
+def grad_records(net: Any) -> list[tuple[str, tuple[str, ...] | None, Any]]:
+    """Each parameter's ``.grad`` as (type name, placements or None, local values or None), cloned."""
+    from torch.distributed.tensor import DTensor
+
+    return [
+        (type(p.grad).__name__, tuple(map(str, p.grad.placements)), p.grad.to_local().detach().clone())
+        if isinstance(p.grad, DTensor)
+        else (type(p.grad).__name__, None, None if p.grad is None else p.grad.detach().clone())
+        for p in net.parameters()
+    ]
+
+
 def build(
     world: int,
     *,
@@ -166,7 +178,6 @@ def train(
     **_: Any,
 ) -> list[dict[str, Any]]:
     """Train ``steps`` SGD steps; per step: loss, gradients (type, placements, local) and parameters."""
-    from torch.distributed.tensor import DTensor
 
     opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
     record = []
@@ -178,12 +189,7 @@ def train(
             loss = model(batch(rank, step, micro, tp=tp)).float().pow(2).mean()
             backward(loss)
             losses.append(loss.detach())
-        grads = [
-            (type(p.grad).__name__, tuple(map(str, p.grad.placements)), p.grad.to_local().detach().clone())
-            if isinstance(p.grad, DTensor)
-            else (type(p.grad).__name__, None, None if p.grad is None else p.grad.detach().clone())
-            for p in net.parameters()
-        ]
+        grads = grad_records(net)
         opt.step()
         opt.zero_grad()
         params = [p.to_local().detach().clone() for p in net.parameters()]

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import torch
-from fsdp_training import Block, diff, max_diff
+from fsdp_training import Block, diff, grad_records, max_diff
 from helpers import run_on_ranks
 from torch import nn
 
@@ -115,7 +115,6 @@ def _build(world: int, *, backend: str | None, checkpoint: bool) -> nn.Module:
 
 def _train(net: nn.Module, rank: int) -> list[dict[str, Any]]:
     """2 AdamW steps; per step the loss, each gradient (type, placements, local shard) and the parameters."""
-    from torch.distributed.tensor import DTensor
 
     opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
     record = []
@@ -125,12 +124,7 @@ def _train(net: nn.Module, rank: int) -> list[dict[str, Any]]:
         logits = net(tokens[:, :-1])
         loss = nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
         loss.backward()
-        grads = [
-            (type(p.grad).__name__, tuple(map(str, p.grad.placements)), p.grad.to_local().detach().clone())
-            if isinstance(p.grad, DTensor)
-            else (type(p.grad).__name__, None, None if p.grad is None else p.grad.detach().clone())
-            for p in net.parameters()
-        ]
+        grads = grad_records(net)
         opt.step()
         opt.zero_grad()
         record.append(
