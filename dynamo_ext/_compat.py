@@ -603,6 +603,29 @@ def group_ranks(name: str) -> tuple[int, ...]:
         return ()
 
 
+def group_sequence_number(name: str) -> int | None:
+    """How many collectives the group named ``name`` has issued so far, ``None`` when that cannot be read.
+
+    Feature probe: ``ProcessGroup._get_sequence_number_for_group()`` (gloo and
+    NCCL count every collective issued on the group, eager and
+    ``_c10d_functional`` alike; Flight Recorder reads the same number).
+    """
+    group = _resolve_group(name)
+    read = getattr(group, "_get_sequence_number_for_group", None)
+    if read is None:
+        return None
+    try:
+        return int(read())
+    except (RuntimeError, ValueError, TypeError, NotImplementedError):
+        return None
+
+
+def is_higher_order_op(target: Any) -> bool:
+    """Whether an FX node's target is a higher-order op (``torch._ops.HigherOrderOperator``)."""
+    hop = getattr(importlib.import_module("torch._ops"), "HigherOrderOperator", None)
+    return hop is not None and isinstance(target, hop)
+
+
 def group_is_fake(name: str) -> bool:
     """Whether the group named ``name`` runs on the single-process ``fake`` backend (no peer to meet)."""
     import torch.distributed as dist
@@ -884,6 +907,20 @@ def no_tracing_context() -> Any:
     """Context manager: no ``TracingContext`` (``torch._guards.tracing(None)``), so ``detect_fake_mode`` reads the
     fake mode off the values themselves rather than the context's."""
     return torch._guards.tracing(None)
+
+
+def has_fake_tensor(args: Any) -> bool:
+    """Whether ``args`` (a call's arguments; lists and tuples one level deep) hold a fake tensor
+    (``torch._subclasses.fake_tensor.FakeTensor``), or a fake mode is active."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    if torch._guards.detect_fake_mode() is not None:
+        return True
+    for a in args:
+        for t in a if isinstance(a, (list, tuple)) else (a,):
+            if isinstance(t, FakeTensor):
+                return True
+    return False
 
 
 def fake_mode_of(values: list[Any]) -> Any:

@@ -4,10 +4,11 @@ Read and set them as attributes (``dynamo_ext.config.collective_check = False``)
 or for a block with ``dynamo_ext.config.patch(collective_check=False)`` (also a
 decorator).  Environment variables give the defaults:
 
-* ``DYNAMO_EXT_COLLECTIVE_CHECK=0`` switches the collective-sequence check off
-  (NOTE [collective check meeting point]);
+* ``DYNAMO_EXT_COLLECTIVE_CHECK=0`` switches the collective-stream check off
+  (NOTE [collective stream check]); collective buckets then run unmerged
+  (NOTE [buckets only where ranks agree]);
 * ``DYNAMO_EXT_COLLECTIVE_CHECK_TIMEOUT=<seconds>`` sets how long a rank waits
-  for the others at a compiled graph's first run;
+  for the others at a check;
 * ``DYNAMO_EXT_DDP_SPLIT=1`` splits a DDP model's compiled-autograd backward at its
   gradient buckets (NOTE [split for overlap under DDP]).
 """

@@ -288,6 +288,27 @@ def test_unknown_module_and_function():
 
 
 @pytest.mark.gloo
+def test_a_rank_waiting_in_a_compiled_collective_is_placed_at_the_collective():
+    """NOTE [where each rank waits]: rank 0 blocks in a compiled all-reduce after a graph break, rank 1 sleeps
+    before it; the report names rank 0's collective, its stream position and line (not the resumed function's
+    print line), and rank 1 as behind on the group."""
+    target = TARGETS / "waits_in_compiled.py"
+    proc = cli(*("--nproc", "2", "--quiet", "--timeout", "30", str(target.relative_to(REPO))), timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    line = proc.stderr.strip().splitlines()[0].split("; rank logs")[0]
+    sleep, all_reduce = marker_line(target, "SLEEP_LINE"), marker_line(target, "ALL_REDUCE_LINE")
+    assert f"rank 1 hung at tests/audit_targets/waits_in_compiled.py:{sleep} in main" in line, line
+    assert re.search(
+        r"rank 0 waiting in a compiled collective: forward all_reduce\(float32\[4\], sum\) on group '0' "
+        rf"\(ranks 0-1\), position (\d+), at \S*waits_in_compiled\.py:{all_reduce}: dist\.all_reduce\(x\)",
+        line,
+    ), line
+    position = int(re.search(r"position (\d+), at", line).group(1))
+    assert f"rank(s) 1 behind on group '0' (last entered position {position - 1}; rank(s) 0 at {position})" in line
+    assert line.endswith("; killed"), line
+
+
+@pytest.mark.gloo
 @pytest.mark.parametrize(
     ("mode", "status", "message", "timeout"),
     [

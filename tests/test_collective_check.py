@@ -14,7 +14,7 @@ import torch.fx
 
 import dynamo_ext
 from dynamo_ext import collective_check, config
-from dynamo_ext.collective_check import Collective, collectives, first_difference, hook, same_collective
+from dynamo_ext.collective_check import Collective, collectives, first_difference, same_collective
 
 c10d = torch.ops._c10d_functional
 
@@ -68,7 +68,10 @@ def test_groups_compare_by_name_when_shared_and_by_rank_pattern_otherwise():
     assert same_collective(tp0, tp1, 0, 2)  # rank 0's tp group and rank 2's: same role in a 2x2 mesh
     assert not same_collective(tp0, dp0, 0, 2)  # tp on one rank, dp on the other: a hang
     assert not same_collective(tp0, _c("other", (0, 1)), 0, 1)  # both in {0, 1}, two different groups
-    assert same_collective(tp0, _c("tp0", (0, 1), source="elsewhere.py:3"), 0, 1)  # source lines never compared
+    # the issuing line is compared (by file name and line: installs in other directories agree)
+    assert not same_collective(tp0, _c("tp0", (0, 1), source="elsewhere.py:3: f(x)"), 0, 1)
+    mine, theirs = _c("tp0", (0, 1), source="/a/train.py:3: f(x)"), _c("tp0", (0, 1), source="/b/train.py:3: f(x)")
+    assert same_collective(mine, theirs, 0, 1) and mine.site == "train.py:3"
     assert not same_collective(tp0, _c("tp0", (0, 1), phase="backward"), 0, 1)
     assert first_difference([tp0, tp0], [tp0], 0, 1) == 1
     assert first_difference([tp0], [tp0], 0, 1) is None
@@ -76,29 +79,39 @@ def test_groups_compare_by_name_when_shared_and_by_rank_pattern_otherwise():
     assert Collective.from_json(tp0.to_json()) == tp0
 
 
-def test_hook_fingerprints_forward_and_backward_and_checks_once(world, monkeypatch):
-    seen: list[list[Collective]] = []
-    monkeypatch.setattr(hook, "check_collectives", lambda records: seen.append(list(records)))
+def test_hook_checks_forward_and_backward_where_their_context_is_new(world, monkeypatch):
+    from dynamo_ext import _compat
+    from dynamo_ext.collective_check import stream
+
+    runs: list[list[tuple[str, int]]] = []
+
+    def agree(group_runs, **kwargs):
+        runs.append([(c.phase, c.op.split(".")[-1], r.start + i) for r in group_runs for i, c in enumerate(r.records)])
+        return {r.group: True for r in group_runs}
+
+    monkeypatch.setattr(stream, "agree", agree)
+    monkeypatch.setattr(_compat, "group_is_fake", lambda name: False)  # as if the peers were real
+    monkeypatch.setattr(_compat, "group_sequence_number", lambda name: 7)
+    collective_check.reset()
 
     def fn(x):
         return dist_nn.all_reduce(x * 2) + funcol.all_gather_tensor(x, 0, dist.group.WORLD)[:4]
 
     f = torch.compile(fn, backend="aot_eager", fullgraph=True)
     x = torch.randn(4, requires_grad=True)
-    for _ in range(3):
+    for _ in range(4):
         f(x).sum().backward()
-    assert len(seen) == 1  # the first run only
-    assert [(c.phase, c.op.split(".")[-1]) for c in seen[0]] == [
-        ("forward", "all_reduce"),
-        ("forward", "all_gather_into_tensor"),
-        ("backward", "reduce_scatter_tensor"),  # the all-gather's backward
-        ("backward", "all_reduce"),  # torch.distributed.nn's all-reduce backward
-    ]
+    forward = [("forward", "all_reduce", 7), ("forward", "all_gather_into_tensor", 8)]
+    backward = [("backward", "reduce_scatter_tensor", 7), ("backward", "all_reduce", 8)]
+    # (none, forward), (forward, backward), then (backward, forward); every later context was seen
+    assert runs == [forward, backward, forward]
 
 
 def test_fake_groups_and_switched_off_check_meet_no_one(world):
     # On the fake backend there is no peer: the check returns without touching the store.
     collective_check.check_collectives([_c("0", (0, 1, 2, 3))])
+    f = torch.compile(lambda x: funcol.all_reduce(x, "sum", dist.group.WORLD), backend="aot_eager")
+    torch.testing.assert_close(f(torch.ones(4)), torch.ones(4))
     with config.patch(collective_check=False):
         f = torch.compile(lambda x: funcol.all_reduce(x, "sum", dist.group.WORLD), backend="aot_eager")
         torch.testing.assert_close(f(torch.ones(4)), torch.ones(4))

@@ -8,6 +8,7 @@ programs with the same collectives must run and match eager.
 
 from __future__ import annotations
 
+import re
 import time
 
 import pytest
@@ -98,11 +99,12 @@ def _consistent(rank: int, mesh) -> dict:
     }
 
 
-def _bucketing_agrees(rank: int) -> tuple[bool, int]:
+def _bucketing_agrees(rank: int) -> tuple[bool, int, int]:
     """Inductor with our bucketing pass, rank 0 reading the first result before the next all-reduce.
 
     NOTE [rank-invariant first use]: every rank must still merge the three all-reduces into one
-    (else rank 0 issues two and the others one: a hang).  Returns (matches eager, all-reduce calls).
+    (else rank 0 issues two and the others one: a hang).  Returns (matches eager, all-reduce calls in the
+    code, all-reduces merged away at run time).
     """
     import re
 
@@ -115,14 +117,20 @@ def _bucketing_agrees(rank: int) -> tuple[bool, int]:
         z = funcol.all_reduce(c * 0.5, "sum", dist.group.WORLD)
         return x, y, z, extra
 
+    from dynamo_ext.collective_check import stream
+
     g = torch.Generator().manual_seed(rank)
     args = [torch.randn(16, generator=g) for _ in range(3)] + [torch.randn(rank + 2, 16, generator=g)]
     torch._dynamo.reset()
     eager = [t.clone() for t in fn(*args)]
+    before = stream._state.merged_away.get(dist.group.WORLD.group_name, 0)
     out, code = run_and_get_code(torch.compile(fn, backend="inductor"), *args)
+    merged_away = stream._state.merged_away.get(dist.group.WORLD.group_name, 0) - before
     code = "\n".join(code)
-    calls = len(re.findall(r"_c10d_functional\.all_reduce_?\.default\(", code[code.index("def call") :]))
-    return all(torch.allclose(e, o) for e, o in zip(eager, out)), calls
+    call = code[code.index("def call") :]
+    calls = len(re.findall(r"_c10d_functional\.all_reduce_?\.default\(|bucketed_collective\.default\(", call))
+    # the ranks' graphs have the same collectives and data flow: the bucket runs merged (2 all-reduces fewer)
+    return all(torch.allclose(e, o) for e, o in zip(eager, out)), calls, merged_away
 
 
 def _rank(rank: int, world: int) -> dict:
@@ -134,10 +142,14 @@ def _rank(rank: int, world: int) -> dict:
     for name, fn in _divergent(rank, sub).items():
         torch._dynamo.reset()
         x = torch.arange(6.0).requires_grad_() + rank
+        # Every rank issues this next: where a rank's graph issues a collective the others do not (backward_only),
+        # the others' check of this all-reduce meets it at the same stream position.
+        sync = torch.compile(lambda t: funcol.all_reduce(t, "sum", dist.group.WORLD), backend="aot_eager")
         start = time.monotonic()
         try:
             y = torch.compile(fn, backend="aot_eager", fullgraph=True)(x)
             y.sum().backward()
+            sync(torch.ones(3))
             out[name] = ("no error", 0.0)
         except CollectiveMismatchError as e:
             out[name] = (str(e), time.monotonic() - start)
@@ -194,12 +206,12 @@ def test_divergent_collectives_raise_on_every_rank(results, case):
 
 def test_divergent_messages_name_the_collective(results):
     shape = results[0]["shape"][0]
-    assert "collective #0 differs between rank 0 and rank 1" in shape
+    assert re.search(r"position \d+ of group '0' \(ranks 0-3\) differs between rank 0 and rank 1", shape), shape
     assert "float32[6]" in shape and "float32[2]" in shape
     assert "# divergent: shape" in shape
     assert "bfloat" not in results[0]["dtype"][0] and "float64[6]" in results[0]["dtype"][0]
     order = results[1]["order"][0]
-    assert "collective #0 differs" in order and "max" in order and "sum" in order and "# divergent: order" in order
+    assert "differs between rank 1" in order and "max" in order and "sum" in order and "# divergent: order" in order
     assert any("group '1' (ranks 1-2)" in results[r]["group"][0] for r in range(WORLD))
     assert "backward reduce_scatter_tensor" in results[1]["backward_only"][0] or (
         "backward reduce_scatter_tensor" in results[0]["backward_only"][0]
@@ -212,11 +224,15 @@ def test_rank_dependent_compute_with_the_same_collectives_runs(results, case):
 
 
 def test_bucketing_agrees_when_one_rank_reads_a_result_early(results):
-    """Item 2 of issue 9: a rank-local read does not change the buckets; results equal eager, no hang."""
-    assert [results[r]["bucketing"] for r in range(WORLD)] == [(True, 1)] * WORLD
+    """A rank-local read does not change the buckets; results equal eager, no hang."""
+    assert [results[r]["bucketing"] for r in range(WORLD)] == [(True, 1, 2)] * WORLD
 
 
 def test_a_graph_only_one_rank_reaches_ends_after_the_timeout(results):
     message, seconds = results[0]["only_rank_0"]
-    assert "rank(s) 1, 2, 3 did not reach a compiled graph with these collectives within 3 s" in message
+    assert re.search(
+        r"rank\(s\) 1, 2, 3 did not reach position \d+ of group '0' \(ranks 0-3\) in a checked compiled graph "
+        r"within 3 s",
+        message,
+    ), message
     assert seconds < 60

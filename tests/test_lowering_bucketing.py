@@ -55,7 +55,13 @@ def _compile(fn, *args):
 
 
 def _collective_calls(code: str) -> int:
-    return len(re.findall(r"_c10d_functional\.all_reduce_?\.default\(", code))
+    """All-reduces in generated code: stock ones and buckets (NOTE [buckets only where ranks agree])."""
+    stock = len(re.findall(r"_c10d_functional\.all_reduce_?\.default\(", code))
+    return stock + _bucket_calls(code, "all_reduce")
+
+
+def _bucket_calls(code: str, kind: str) -> int:
+    return len(re.findall(rf"dynamo_ext\.bucketed_collective\.default\([^']*'{kind}'", code))
 
 
 def test_32_small_all_reduces_become_one_with_one_pack_kernel(world):
@@ -65,9 +71,7 @@ def test_32_small_all_reduces_become_one_with_one_pack_kernel(world):
     call = code[code.index("def call") :]
     assert _collective_calls(call) == 1
     # one pack kernel with the scale folded in, before the collective; results are views, no unpack kernel
-    FileCheck().check_count("cpp_fused", 1, exactly=True).check("all_reduce_").check("wait_tensor").check_not(
-        "cpp_fused"
-    ).run(call)
+    FileCheck().check_count("cpp_fused", 1, exactly=True).check("bucketed_collective").check_not("cpp_fused").run(call)
     FileCheck().check("cpp_fused_cat_mul").check("0.25").run(code)
     assert call.count("reinterpret_tensor(") >= len(grads)
     for o, g in zip(out, grads):
@@ -221,15 +225,18 @@ def test_plan_is_a_pure_function_of_the_graph(world):
         ):
             _compile(scaled_all_reduces, *grads_of_sizes(8))
         texts.append(seen[-1])
-    assert texts[0] == texts[1] and texts[0].count("all_reduce.default") == 1
+    assert texts[0] == texts[1] and texts[0].count("bucketed_collective.default") == 1
+    assert "all_reduce.default" not in texts[0]
 
 
 # ---- FSDP-style all-gathers and reduce-scatters (NOTE [all-gather / reduce-scatter buckets]) ----
 def _ag_rs_calls(code: str) -> tuple[int, int]:
     call = code[code.index("def call") :]
     return (
-        len(re.findall(r"_c10d_functional\.all_gather_into_tensor(?:_out)?\.default\(", call)),
-        len(re.findall(r"_c10d_functional\.reduce_scatter_tensor(?:_out)?\.default\(", call)),
+        len(re.findall(r"_c10d_functional\.all_gather_into_tensor(?:_out)?\.default\(", call))
+        + _bucket_calls(call, "all_gather"),
+        len(re.findall(r"_c10d_functional\.reduce_scatter_tensor(?:_out)?\.default\(", call))
+        + _bucket_calls(call, "reduce_scatter"),
     )
 
 
@@ -261,11 +268,11 @@ def test_small_all_gathers_and_reduce_scatters_become_one_each(world):
     # one pack kernel (with the cast) before the all-gather, one kernel after it that re-assembles the
     # gathered blocks in rank order (it also packs the reduce-scatter input, scale folded in), and the
     # reduce-scatter results are views: no kernel after it
-    FileCheck().check_count("cpp_fused", 1, exactly=True).check("all_gather_into_tensor.default(").check(
-        "wait_tensor"
-    ).check_count("cpp_fused", 1, exactly=True).check("reduce_scatter_tensor.default(").check("wait_tensor").check_not(
-        "cpp_fused"
-    ).run(call)
+    FileCheck().check_count("cpp_fused", 1, exactly=True).check("bucketed_collective.default(").check(
+        "'all_gather'"
+    ).check_count("cpp_fused", 1, exactly=True).check("bucketed_collective.default(").check(
+        "'reduce_scatter'"
+    ).check_not("cpp_fused").run(call)
     FileCheck().check("0.25").run(code)
     for o, r in zip(out, _eager(fsdp_step, *args)):
         assert o.shape == r.shape and o.dtype == r.dtype and torch.equal(o, r)
@@ -470,3 +477,23 @@ def test_pass_uuids_cover_every_lowering_and_kernel_file(monkeypatch):
     bucketing.AllReduceBucketingPass().uuid()
     rms_norm_fusion.ResidualRMSNormPass().uuid()
     assert hashed == [files, files]
+
+
+@pytest.mark.parametrize("kind", ["all_reduce", "all_gather", "reduce_scatter"])
+def test_a_bucket_run_unmerged_lays_out_its_result_as_merged(kind, monkeypatch):
+    """NOTE [buckets only where ranks agree]: the per-member collectives fill the merged result's layout."""
+    from dynamo_ext.inductor_lowerings import bucket_op
+
+    world = _SimulatedWorld(torch.fx.GraphModule(torch.nn.Module(), torch.fx.Graph()), 2, 4)
+
+    class Simulated:
+        def __getattr__(self, name):
+            op = getattr(torch.ops._c10d_functional, name).default
+            return lambda *args: world.call_function(op, args, {})
+
+    monkeypatch.setattr(bucket_op, "_c10d", Simulated)
+    sizes = [6, 2, 10]  # all-reduce, all-gather: the members' elements; reduce-scatter: their chunks
+    packed = torch.randn(4 * sum(sizes) if kind == "reduce_scatter" else sum(sizes))
+    merged = bucket_op._merged(packed, kind, "sum", 4, "0")
+    unmerged = bucket_op._unmerged(packed, kind, sizes, "sum", 4, "0")
+    assert merged.shape == unmerged.shape and torch.allclose(merged, unmerged)

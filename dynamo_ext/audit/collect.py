@@ -149,11 +149,19 @@ def stack_event(frame: Any, root: str | None) -> dict[str, Any]:
         if f.filename != __file__ and not f.filename.endswith(("runpy.py", "<frozen runpy>"))
     ]
     files = [f[0] for f in frames]
+    from ..collective_check import stream
+
+    # NOTE [where each rank waits]: inside a checked compiled graph, or in the check's own wait on its peers
+    collectives = stream.in_flight()
+    in_graph = any(f.endswith("collective_check/stream.py") for f in files) and any(c["in_graph"] for c in collectives)
+    in_check = any(f.endswith("collective_check/exchange.py") for f in files)
     return {
         "ev": "stack",
         "stack": frames,
         "user_index": user_frame_index(files) if frames else 0,
-        "in_distributed": any(f.startswith("torch/distributed/") for f in files),
+        "in_distributed": any(f.startswith("torch/distributed/") for f in files) or in_graph or in_check,
+        "collectives": collectives,
+        "in_compiled_collective": in_graph and not in_check,
     }
 
 
@@ -473,6 +481,9 @@ def main(argv: list[str] | None = None) -> int:
 
         observing.enter_context(observe_checks(observed.append))
     collector.start()
+    from ..collective_check import stream
+
+    stream.track_positions(True)  # NOTE [where each rank waits]
     try:
         if is_function_target(ns.target):
             _run_function(ns.target)

@@ -153,10 +153,37 @@ def _where(p: RankProgress) -> str:
     frames = p.stack["stack"]
     file, line, function, source = frames[min(int(p.stack.get("user_index", 0)), len(frames) - 1)]
     at = f"at {file}:{line} in {function}" + (f" ({source})" if source else "")
+    entered = [c for c in p.stack.get("collectives") or () if c.get("in_graph")]
+    if p.stack.get("in_compiled_collective") and entered:
+        # NOTE [where each rank waits]: the collective's own line, not the compiled frame's
+        return "waiting in a compiled collective: " + ", ".join(
+            f"{c['collective']}, position {c['position']}, at {c['source'] or '<unknown source>'}" for c in entered
+        )
     if p.stack.get("in_distributed"):
         inner = next((f for f in reversed(frames) if f[0].startswith("torch/distributed/")), frames[-1])
         return f"waiting in torch.distributed ({inner[2]}) {at}"
     return f"hung {at}"
+
+
+def _behind(progress: dict[int, RankProgress], ranks: list[int]) -> list[str]:
+    """``rank(s) 1 behind on group '0' (last entered position 6; rank 0 at 7)`` per group (NOTE [where each rank
+    waits]), from the positions the ranks' stacks report."""
+    positions: dict[str, dict[int, int]] = {}
+    for r in ranks:
+        st = progress[r].stack
+        for c in (st or {}).get("collectives") or ():
+            positions.setdefault(str(c["group"]), {})[r] = int(c["position"])
+    out = []
+    for group, by_rank in sorted(positions.items()):
+        ahead = max(by_rank.values())
+        late = sorted(r for r, pos in by_rank.items() if pos < ahead)
+        if late:
+            first = [r for r, pos in by_rank.items() if pos == ahead]
+            out.append(
+                f"rank(s) {', '.join(map(str, late))} behind on group {group!r} (last entered position "
+                f"{', '.join(str(by_rank[r]) for r in late)}; rank(s) {', '.join(map(str, sorted(first)))} at {ahead})"
+            )
+    return out
 
 
 def _timeout_line(progress: dict[int, RankProgress], ranks: list[int], timeout: float) -> str:
@@ -172,10 +199,15 @@ def _timeout_line(progress: dict[int, RankProgress], ranks: list[int], timeout: 
     waiting = [r for r in ranks if waits(r)]
     parts = [f"rank {r} {_where(progress[r])}" for r in hung]
     if hung and waiting:
-        parts.append(f"rank(s) {', '.join(map(str, waiting))} waiting in torch.distributed")
+        located = [r for r in waiting if (progress[r].stack or {}).get("in_compiled_collective")]
+        parts += [f"rank {r} {_where(progress[r])}" for r in located]
+        rest = [r for r in waiting if r not in located]
+        if rest:
+            parts.append(f"rank(s) {', '.join(map(str, rest))} waiting in torch.distributed")
     else:  # no rank outside torch.distributed: collectives that do not match, each rank where it waits
         parts += [f"rank {r} {_where(progress[r])}" for r in waiting]
     parts += [f"rank {r} {_where(progress[r])}" for r in ranks if waits(r) is None]
+    parts += _behind(progress, ranks)
     return f"timeout: after {timeout:g} s: " + "; ".join(parts) + "; killed"
 
 

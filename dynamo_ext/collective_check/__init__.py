@@ -1,7 +1,9 @@
-"""Collective-sequence check: ranks agree on each compiled graph's collectives before it first runs.
+"""Collective-stream check: ranks agree on the collectives each process group sees, in issue order.
 
 * :mod:`.fingerprint`: a graph's collectives, rank-invariant (NOTE [collective fingerprint]);
-* :mod:`.exchange`: the comparison through the c10d store, bounded (NOTE [collective check meeting point]);
+* :mod:`.exchange`: the comparison per stream position through the c10d store, bounded
+  (NOTE [collective stream check]);
+* :mod:`.stream`: when a graph is checked, and what a process remembers (NOTE [when the stream is checked]);
 * :mod:`.hook`: where it hooks into AOTAutograd and the compiled callable (NOTE [collective check hook]).
 
 Switched by :data:`dynamo_ext.config.collective_check` (env ``DYNAMO_EXT_COLLECTIVE_CHECK``).
@@ -9,17 +11,23 @@ Switched by :data:`dynamo_ext.config.collective_check` (env ``DYNAMO_EXT_COLLECT
 
 from __future__ import annotations
 
-from .exchange import CollectiveMismatchError, check_collectives, reset
-from .fingerprint import Collective, collectives, first_difference, same_collective
+from ..errors import CollectiveMismatchError
+from .exchange import GroupRun, agree
+from .fingerprint import Collective, collectives, data_flow, first_difference, same_collective
 from .hook import install
+from .stream import check_collectives, merge_decision, reset
 
 __all__ = [
     "Collective",
     "CollectiveMismatchError",
+    "GroupRun",
+    "agree",
     "check_collectives",
     "collectives",
+    "data_flow",
     "first_difference",
     "install",
+    "merge_decision",
     "reset",
     "same_collective",
 ]

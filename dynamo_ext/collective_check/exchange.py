@@ -1,38 +1,49 @@
-"""Compare a graph's collective fingerprint across ranks through the c10d store, with a bounded wait.
+"""Compare a compiled graph's collectives with the other ranks' at the same stream positions, through the c10d store.
 
-NOTE [collective check meeting point]
-Ranks meet in the default group's store (set/check/get only: no collective,
-so the check cannot itself hang on a rank that never comes), under keys that
-need no agreement on compile order:
+NOTE [collective stream check]
+Ranks agree on the *stream* of collectives each process group sees, in issue
+order, not on graphs: graph boundaries may differ per rank (a ``print`` on rank
+0 only splits its graph in two where rank 1 has one).  Every group counts the
+collectives issued on it (``ProcessGroup._get_sequence_number_for_group()``,
+eager and functional alike; :func:`dynamo_ext._compat.group_sequence_number`),
+so when a graph runs, its collectives on group G occupy positions ``s, s+1,
+...`` where ``s`` is G's count at the call (plus the collectives merged away by
+agreed buckets, NOTE [buckets only where ranks agree]): a position every rank
+computes locally, no counter of ours to keep in step.
 
-* a graph meets once per process group its collectives use, with that group's
-  ranks (names of groups are the same on every rank).  A rank of a 2-D mesh
-  meets its tensor-parallel peers in the ``tp`` group's meeting and its
-  data-parallel peers in the ``dp`` group's: no single set of ranks would do,
-  since rank 0's groups span ranks {0, 1, 2} and rank 1's {0, 1, 3};
-* a rank numbers the fingerprints it has not seen agreed before, per group:
-  the n-th new fingerprint first run on group G meets under ``G/n``.  A graph
-  compiled again on one rank only (a recompile, a cache miss) with the same
-  collectives was agreed already and meets no one, so ranks do not drift apart.
+At a check (:func:`agree`) a rank writes one entry per position of its graph
+under ``<epoch>/<group>/e/<position>/<rank>`` in the default group's store (the
+graph's later positions first, its first position last, so a peer that sees
+the first sees them all), then waits, bounded, for every peer of the group to
+have written the *first* position, and compares each position where the peer
+has written an entry.  A peer that has not written a later position yet writes
+it after this rank did, and compares it then: every position two ranks both
+reach in a check is compared by at least one of them.  Waiting for every
+position would deadlock correct programs: with ``all_reduce(a); if rank == 0:
+print(); all_reduce(b)``, rank 1's one graph covers positions 0 and 1, but rank
+0's second graph (position 1) runs only after the all-reduce at position 0
+completes, which needs rank 1.
 
-Each rank writes its whole fingerprint under ``e/G/n/<rank>`` for each of its
-groups G and reads every other member's, then compares the whole sequences
-(:func:`.fingerprint.first_difference`).  While it waits it also watches for:
+A mismatch ends the check with :class:`CollectiveMismatchError` naming the
+group, the position and each rank's collective and line; the rank writes the
+group's abort key (``<epoch>/<group>/a``), so a peer waiting in a check of that
+group raises too, and every later check of the group raises at once (call
+:func:`.stream.reset` on every rank to go on).  While it waits, a rank also
+publishes where it waits (``w/<rank>``); a peer that waits in another group
+for this rank at a position this rank has not written cannot be satisfied (the
+two wait for each other: another group, another order), which is a mismatch
+too.  Only a peer that never writes the position (it issues eager collectives
+there, or runs, unchecked, a graph it ran before in the same context; it died)
+makes the wait last ``config.collective_check_timeout_s``, or the default
+group's timeout when that is shorter, and then it is an error too.
 
-* a peer that aborted one of these meetings (``a/G/n``: it found a mismatch, or
-  timed out): this rank raises too, with the peer's message;
-* a peer waiting in a meeting of a group holding this rank that this rank has
-  not joined (``w/<rank>``): the two wait on each other, so they run different
-  collectives (another group, another order).
-
-Only when a peer never comes (it runs no compiled graph with collectives
-there, it died) does the wait last ``config.collective_check_timeout_s``, or
-the default group's timeout (``init_process_group(timeout=...)``, which the
-store carries) when that is shorter: no longer than a collective would wait.
+The store is reached with set/check/get only, never a collective, so the check
+cannot itself hang on a rank that never comes.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -42,226 +53,209 @@ from typing import Any
 
 from .. import _compat, config
 from ..errors import CollectiveMismatchError
-from .fingerprint import Collective, first_difference
+from .fingerprint import Collective, same_collective
 
 log = logging.getLogger(__name__)
 
 _PREFIX = "dynamo_ext/collective_check/"
 
 
-class _State:
-    """What this process has agreed with its peers, for one default store."""
+@dataclasses.dataclass(frozen=True)
+class GroupRun:
+    """One run of a compiled graph, as seen by one process group.
 
-    def __init__(self, store: Any, epoch: int = 0) -> None:
-        self.store = store
-        self.epoch = epoch
-        self.next_index: dict[str, int] = {}
-        self.agreed: set[str] = set()
-        self.joined: set[str] = set()
-
-
-_state: _State | None = None
-
-
-def _current_state(store: Any) -> _State:
-    global _state
-    if _state is None or _state.store is not store:
-        _state = _State(store)
-    return _state
-
-
-def reset() -> None:
-    """Forget what was agreed and start numbering meetings afresh, in a new key space.
-
-    A rank that goes on after a :class:`CollectiveMismatchError` (a test, a
-    retry) calls this on every rank of the world before its next compiled
-    graph, as it would call ``torch._dynamo.reset()``: the ranks that failed
-    may have stopped at different meetings.
+    Attributes:
+        group: the group's name.
+        ranks: the group's global ranks, sorted.
+        records: the graph's collectives on this group, in issue order.
+        digest: the graph's collectives and data flow (:func:`.stream.graph_digest`); equal on
+            ranks that compiled the same collectives with the same data flow between them.
+        start: the stream position of ``records[0]`` on this group.
     """
-    global _state
-    if _state is not None:
-        _state = _State(_state.store, _state.epoch + 1)
+
+    group: str
+    ranks: tuple[int, ...]
+    records: tuple[Collective, ...]
+    digest: str
+    start: int
 
 
 def _digest(text: str) -> str:
     return hashlib.sha1(text.encode()).hexdigest()[:16]
 
 
-def check_collectives(records: Sequence[Collective]) -> None:
-    """Agree ``records`` (one compiled graph's forward and backward collectives) with the other ranks.
+def agree(runs: Sequence[GroupRun], *, store: Any, epoch: int | str, rank: int) -> dict[str, bool]:
+    """Compare ``runs`` with every peer's entries at the same positions (NOTE [collective stream check]).
 
-    Returns at once when there is nothing to agree (no collectives, no
-    initialized default group, one rank, a fake group, the check switched off
-    in :mod:`dynamo_ext.config`, or a fingerprint agreed before).
+    Returns, per group, whether every peer's entry at the run's first position
+    starts a graph with the same digest: every rank of the group then runs the
+    same collectives with the same data flow from there (what bucketing needs,
+    NOTE [buckets only where ranks agree]).  Every rank of the group reads the
+    same entries at that position, so they all return the same answer.
 
     Raises:
-        CollectiveMismatchError: another rank of the scope runs different
-            collectives here, aborted this meeting, or did not come within
-            ``config.collective_check_timeout_s`` seconds.
+        CollectiveMismatchError: a peer's collective at a compared position
+            differs, a peer aborted one of these groups, a peer waits for this
+            rank elsewhere, or a peer did not write the first position within
+            the timeout.
     """
-    if not records or not config.collective_check:
-        return
-    rank = _compat.global_rank()
-    groups: dict[str, tuple[int, ...]] = {}
-    for c in records:
-        if c.group and len(c.ranks) > 1 and rank in c.ranks:
-            groups.setdefault(c.group, c.ranks)
-    if rank is None or not groups:
-        log.debug("collective check: no group with another rank in this graph, nothing to agree")
-        return
-    if any(_compat.group_is_fake(g) for g in groups):
-        log.debug("collective check skipped: fake process group (one process, no peer to meet)")
-        return
-    store = _compat.default_store()
-    if store is None:
-        log.debug("collective check skipped: no default store")
-        return
-    state = _current_state(store)
-    payload = json.dumps([c.to_json() for c in records])
-    own = _digest(json.dumps([c.to_json()[:-1] for c in records]))  # without source lines
-    if own in state.agreed:
-        log.debug("collective check: these %d collectives were agreed before, no meeting", len(records))
-        return
-    meetings = {}
-    for group, ranks in sorted(groups.items()):
-        key = _digest(group)
-        index = state.next_index.get(key, 0)
-        state.next_index[key] = index + 1
-        meetings[f"{state.epoch}/{key}/{index}"] = ranks
-    _Meeting(state, meetings, rank, list(records), payload).run()
-    state.agreed.add(own)
+    return _Check(runs, store, epoch, rank).run()
 
 
-class _Meeting:
-    """One graph's meetings, one per group (NOTE [collective check meeting point])."""
-
-    def __init__(
-        self, state: _State, meetings: dict[str, tuple[int, ...]], rank: int, records: list[Collective], payload: str
-    ) -> None:
-        self.state, self.meetings, self.rank = state, meetings, rank
-        self.records, self.payload = records, payload
-        self.store = _compat.prefix_store(_PREFIX, state.store)
-        self.scope = tuple(sorted({r for ranks in meetings.values() for r in ranks}))
-        # No longer than the collective itself would wait: the store's timeout is init_process_group's.
-        store_timeout = getattr(getattr(state.store, "timeout", None), "total_seconds", lambda: float("inf"))()
+class _Check:
+    def __init__(self, runs: Sequence[GroupRun], store: Any, epoch: int | str, rank: int) -> None:
+        self.runs, self.rank = list(runs), rank
+        self.store = _compat.prefix_store(f"{_PREFIX}{epoch}/", store)
+        self.gkey = {r.group: _digest(r.group) for r in self.runs}
+        store_timeout = getattr(getattr(store, "timeout", None), "total_seconds", lambda: float("inf"))()
+        # No longer than a collective itself would wait: the store's timeout is init_process_group's.
         self.timeout_s = min(config.collective_check_timeout_s, store_timeout)
-        self.peer_meetings: set[str] = set()
+        self.peer_groups: set[str] = set()
 
-    def run(self) -> None:
+    def _entry_key(self, gkey: str, position: int, rank: int) -> str:
+        return f"{gkey}/e/{position}/{rank}"
+
+    def run(self) -> dict[str, bool]:
         store, rank = self.store, self.rank
-        for meeting in self.meetings:
-            store.set(f"e/{meeting}/{rank}", self.payload)
-            self.state.joined.add(meeting)
-        store.set(f"w/{rank}", json.dumps([[m, list(r)] for m, r in self.meetings.items()]))
+        for r in self.runs:
+            self._raise_if_aborted(r)
+        for r in self.runs:
+            for i in reversed(range(len(r.records))):  # the first position last (NOTE [collective stream check])
+                entry = {"c": r.records[i].to_json(), "s": r.start, "g": r.digest}
+                store.set(self._entry_key(self.gkey[r.group], r.start + i, rank), json.dumps(entry))
+        store.set(f"w/{rank}", json.dumps([[self.gkey[r.group], r.start, list(r.ranks), r.group] for r in self.runs]))
         start = time.monotonic()
         try:
-            self._wait(start)
+            firsts = self._wait_for_first_positions(start)
+            differences = [d for r in self.runs for d in self._compare(r, firsts)]
+            if differences:
+                raise CollectiveMismatchError(self._message(differences))
         except CollectiveMismatchError as e:
-            # Stop these meetings and those of the peers found waiting elsewhere: their fellows end too.
-            for meeting in {*self.meetings, *self.peer_meetings}:
-                store.set(f"a/{meeting}", f"rank {rank}: {e}")
+            for gkey in {*self.gkey.values(), *self.peer_groups}:
+                store.set(f"{gkey}/a", f"rank {rank}: {e}")
             raise
         finally:
             store.set(f"w/{rank}", "")
-        log.debug(
-            "collective check on rank %d: ranks %s agree after %.3f s",
-            rank,
-            _ranks(self.scope),
-            time.monotonic() - start,
-        )
+        log.debug("collective stream check on rank %d: peers agree after %.3f s", rank, time.monotonic() - start)
+        return {
+            r.group: all(
+                firsts[(r.group, p)]["s"] == r.start and firsts[(r.group, p)]["g"] == r.digest
+                for p in r.ranks
+                if p != rank
+            )
+            for r in self.runs
+        }
 
-    def _wait(self, start: float) -> None:
+    def _raise_if_aborted(self, r: GroupRun) -> None:
+        key = f"{self.gkey[r.group]}/a"
+        if self.store.check([key]):
+            raise CollectiveMismatchError(
+                f"{self._head(r)} another rank stopped the check of this group: {self.store.get(key).decode()}"
+            )
+
+    def _wait_for_first_positions(self, start: float) -> dict[tuple[str, int], dict[str, Any]]:
         store = self.store
-        pending = {(m, p) for m, ranks in self.meetings.items() for p in ranks if p != self.rank}
-        compared: set[int] = set()
-        differences: list[str] = []
+        pending = {(r.group, p) for r in self.runs for p in r.ranks if p != self.rank}
+        by_group = {r.group: r for r in self.runs}
+        firsts: dict[tuple[str, int], dict[str, Any]] = {}
         sleep = 0.0002
-        while pending:
-            for meeting, peer in sorted(pending):
-                key = f"e/{meeting}/{peer}"
+        while True:
+            for group, peer in sorted(pending):
+                key = self._entry_key(self.gkey[group], by_group[group].start, peer)
                 if store.check([key]):
-                    pending.discard((meeting, peer))
-                    if peer in compared:
-                        continue
-                    compared.add(peer)
-                    theirs = [Collective.from_json(r) for r in json.loads(store.get(key))]
-                    diff = self._compare(peer, theirs)
-                    if diff:
-                        differences.append(diff)
-            if differences:
-                raise CollectiveMismatchError(self._message(differences))
+                    firsts[(group, peer)] = json.loads(store.get(key))
+                    pending.discard((group, peer))
             if not pending:
-                return
-            for meeting in self.meetings:
-                if store.check([f"a/{meeting}"]):
-                    raise CollectiveMismatchError(
-                        f"{self._head()} another rank stopped it: {store.get(f'a/{meeting}').decode()}"
-                    )
-            for peer in sorted({p for _, p in pending}):
-                elsewhere = self._waiting_elsewhere(peer)
-                if elsewhere is not None:
-                    differences.append(elsewhere)
-            if differences:
-                raise CollectiveMismatchError(self._message(differences))
+                return firsts
+            for r in self.runs:
+                self._raise_if_aborted(r)
+            elsewhere = [d for peer in sorted({p for _, p in pending}) if (d := self._waiting_elsewhere(peer))]
+            if elsewhere:
+                raise CollectiveMismatchError(self._message(elsewhere))
             if time.monotonic() - start > self.timeout_s:
-                late = ", ".join(map(str, sorted({p for _, p in pending})))
-                raise CollectiveMismatchError(
-                    f"{self._head()} rank(s) {late} did not reach a compiled graph with "
-                    f"these collectives within {self.timeout_s:g} s (dynamo_ext.config.collective_check_timeout_s, "
-                    f"or the process group's timeout if shorter); they run other code here (eager collectives, a graph without "
-                    f"collectives, another branch), or compile for longer than that. This rank's collectives:\n"
-                    + "\n".join(
-                        f"  #{i}: {c.describe()} at {c.source or '<unknown source>'}"
-                        for i, c in enumerate(self.records)
-                    )
-                )
+                raise CollectiveMismatchError(self._late_message(pending, by_group))
             time.sleep(sleep)
             sleep = min(sleep * 2, 0.002)  # a peer that arrives is seen within 2 ms (compile time counts)
 
+    def _compare(self, r: GroupRun, firsts: dict[tuple[str, int], dict[str, Any]]) -> list[str]:
+        out = []
+        gkey = self.gkey[r.group]
+        for peer in r.ranks:
+            if peer == self.rank:
+                continue
+            for i, mine in enumerate(r.records):
+                if i == 0:
+                    entry = firsts[(r.group, peer)]
+                else:
+                    key = self._entry_key(gkey, r.start + i, peer)
+                    if not self.store.check([key]):
+                        break  # the peer writes this position after this rank: it compares it then
+                    entry = json.loads(self.store.get(key))
+                theirs = Collective.from_json(entry["c"])
+                if not same_collective(mine, theirs, self.rank, peer):
+                    out.append(self._difference(r, r.start + i, peer, mine, theirs))
+                    break
+        return out
+
     def _waiting_elsewhere(self, peer: int) -> str | None:
-        """A difference when ``peer`` waits in a meeting of a group holding this rank, which this rank never joined."""
+        """A difference when ``peer`` waits for this rank at a group position this rank has not written."""
         key = f"w/{peer}"
         if not self.store.check([key]):
             return None
         raw = self.store.get(key)
         if not raw:
             return None
-        for meeting, scope in json.loads(raw):
-            same_epoch = meeting.startswith(f"{self.state.epoch}/")
-            if meeting in self.meetings or not same_epoch or self.rank not in scope or meeting in self.state.joined:
+        for gkey, position, scope, group in json.loads(raw):
+            if self.rank not in scope or self.store.check([self._entry_key(gkey, position, self.rank)]):
                 continue
-            self.peer_meetings.add(meeting)
-            theirs = [Collective.from_json(r) for r in json.loads(self.store.get(f"e/{meeting}/{peer}"))]
-            return self._compare(peer, theirs, other_scope=tuple(scope))
+            self.peer_groups.add(gkey)
+            theirs = Collective.from_json(json.loads(self.store.get(self._entry_key(gkey, position, peer)))["c"])
+            mine = ", ".join(f"group {r.group!r} position {r.start}" for r in self.runs)
+            return (
+                f"the stream differs between rank {self.rank} and rank {peer}: "
+                f"rank {peer} waits for rank {self.rank} at position {position} of group {group!r} "
+                f"(ranks {_ranks(scope)}) with {_line(theirs)}, while rank {self.rank} waits at {mine}: "
+                f"the ranks issue their collectives in different orders or on different groups"
+            )
         return None
 
-    def _compare(self, peer: int, theirs: list[Collective], other_scope: tuple[int, ...] | None = None) -> str | None:
-        i = first_difference(self.records, theirs, self.rank, peer)
-        if i is None:
-            if other_scope is None:
-                return None
-            return (
-                f"rank {peer} waits for this rank at another graph with the same collectives: the ranks run "
-                f"their compiled graphs in different orders"
-            )
-        mine = self.records[i] if i < len(self.records) else None
-        their = theirs[i] if i < len(theirs) else None
-        where = f" (rank {peer} waits for this rank at a graph on ranks {_ranks(other_scope)})" if other_scope else ""
+    def _difference(self, r: GroupRun, position: int, peer: int, mine: Collective, theirs: Collective) -> str:
         return (
-            f"collective #{i} differs between rank {self.rank} and rank {peer}{where}:\n"
-            f"  rank {self.rank}: {_line(mine)}\n"
-            f"  rank {peer}: {_line(their)}"
+            f"position {position} of group {r.group!r} (ranks {_ranks(r.ranks)}) differs between rank "
+            f"{self.rank} and rank {peer}:\n  rank {self.rank}: {_line(mine)}\n  rank {peer}: {_line(theirs)}"
         )
 
-    def _head(self) -> str:
-        return f"collective check of a compiled graph on rank {self.rank} (ranks {_ranks(self.scope)}):"
+    def _head(self, r: GroupRun | None = None) -> str:
+        where = f" at position {r.start} of group {r.group!r} (ranks {_ranks(r.ranks)})" if r is not None else ""
+        return f"collective check of a compiled graph on rank {self.rank}{where}:"
 
     def _message(self, differences: list[str]) -> str:
         return (
-            f"{self._head()} ranks compiled graphs that issue different collectives; running them would hang "
-            f"or exchange wrong data.\n" + "\n".join(differences[:4]) + "\nMake every rank run the same collectives "
-            "in the same order (a branch on the rank, or rank-dependent shapes, around a collective), or set "
+            f"{self._head()} the ranks' collective streams differ; running on would hang or exchange "
+            "wrong data.\n" + "\n".join(differences[:4]) + "\nMake every rank issue the same collectives in "
+            "the same order (a branch on the rank, or rank-dependent shapes, around a collective), or set "
             "DYNAMO_EXT_COLLECTIVE_CHECK=0 to skip this check."
+        )
+
+    def _late_message(self, pending: set[tuple[str, int]], by_group: dict[str, GroupRun]) -> str:
+        parts = []
+        for group in sorted({g for g, _ in pending}):
+            r = by_group[group]
+            late = ", ".join(str(p) for g, p in sorted(pending) if g == group)
+            parts.append(
+                f"rank(s) {late} did not reach position {r.start} of group {group!r} (ranks {_ranks(r.ranks)}) in a "
+                f"checked compiled graph within {self.timeout_s:g} s"
+            )
+        mine = "\n".join(
+            f"  position {r.start + i} of group {r.group!r}: {_line(c)}"
+            for r in self.runs
+            for i, c in enumerate(r.records)
+        )
+        return (
+            f"{self._head()} " + "; ".join(parts) + " (dynamo_ext.config.collective_check_timeout_s, or the "
+            "process group's timeout if shorter). They issue something else there: eager collectives, another "
+            "graph they ran before in the same order, no collective at all; or they compile for longer than "
+            f"that. This rank's collectives:\n{mine}"
         )
 
 
@@ -274,5 +268,5 @@ def _ranks(scope: Sequence[int] | None) -> str:
 
 def _line(c: Collective | None) -> str:
     if c is None:
-        return "no collective (its graph ends here)"
+        return "no collective"
     return f"{c.describe()} at {c.source or '<unknown source>'}"

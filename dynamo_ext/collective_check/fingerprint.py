@@ -16,6 +16,17 @@ mismatch.  Left out too, because they legitimately differ per rank:
   rank-dependent by design;
 * symbolic sizes are written as ``?`` (their values are checked by the collective itself).
 
+The user's frame that issued the collective (file name and line, :attr:`Collective.site`)
+is compared too: the ranks' streams are compared position by position across
+graph boundaries (NOTE [collective stream check]), and two all-reduces of equal
+shape issued by different lines (``if rank == 0: all_reduce(x)`` on one rank, an
+all-reduce every rank issues elsewhere on the others) would otherwise look
+alike and pair.  Only the innermost user frame counts: graph breaks cut the
+outer frames differently per rank (a resumed function has no caller in its
+graph), so comparing whole stacks would fail correct programs.  The file is
+compared by its base name, so installs in different directories on different
+hosts agree; the same line reached through different callers is not told apart.
+
 Groups: two ranks that are both in an entry's group must name the same group;
 ranks in different groups of the same shape (tensor-parallel group 0 and group 1
 of a 2-D mesh) compare the groups' rank patterns (ranks minus the group's first
@@ -25,6 +36,7 @@ rank), so ``tp`` and ``dp`` of a mesh stay apart.
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -56,7 +68,7 @@ class Collective:
         tensors: ``"dtype[d0,d1,...]"`` per tensor input, symbolic sizes as ``?``.
         args: the op's other scalar arguments, ``name=value``.
         phase: ``"forward"`` or ``"backward"`` (which graph of the pair it sits in).
-        source: the user's source line (``file:line: code``) or ``""``; never compared.
+        source: the user's source line (``file:line: code``) or ``""``; compared by :attr:`site`.
     """
 
     op: str
@@ -67,6 +79,12 @@ class Collective:
     args: tuple[str, ...]
     phase: str
     source: str = ""
+
+    @property
+    def site(self) -> str:
+        """``basename:line`` of :attr:`source` (what ranks compare), ``""`` without a source."""
+        head = self.source.split(": ", 1)[0]
+        return os.path.basename(head)
 
     def describe(self) -> str:
         """One line for error messages: ``all_reduce(float32[4, 4], sum) on group '0' (ranks 0-3)``."""
@@ -103,15 +121,17 @@ def _pattern(ranks: tuple[int, ...]) -> tuple[int, ...]:
 def same_collective(mine: Collective, theirs: Collective, my_rank: int, their_rank: int) -> bool:
     """Whether rank ``my_rank`` issuing ``mine`` and rank ``their_rank`` issuing ``theirs`` agree.
 
-    Equal op, reduce op, tensors and arguments; the same group when either rank
-    is in the other's group, else groups of the same rank pattern (NOTE [collective fingerprint]).
+    Equal op, reduce op, tensors, arguments and issuing line (:attr:`Collective.site`);
+    the same group when either rank is in the other's group, else groups of the
+    same rank pattern (NOTE [collective fingerprint]).
     """
-    if (mine.op, mine.reduce_op, mine.tensors, mine.args, mine.phase) != (
+    if (mine.op, mine.reduce_op, mine.tensors, mine.args, mine.phase, mine.site) != (
         theirs.op,
         theirs.reduce_op,
         theirs.tensors,
         theirs.args,
         theirs.phase,
+        theirs.site,
     ):
         return False
     if their_rank in mine.ranks or my_rank in theirs.ranks or not mine.ranks or not theirs.ranks:
@@ -205,3 +225,40 @@ def _collective(node: torch.fx.Node, schema: Any, op: str, phase: str) -> Collec
     return Collective(
         op, group, _compat.group_ranks(group), reduce_op, tuple(tensors), tuple(args), phase, _source_line(node)
     )
+
+
+def _is_collective(node: torch.fx.Node) -> bool:
+    schema = _compat.op_schema(node.target) if node.op == "call_function" else None
+    if schema is None:
+        return False
+    namespace, _, name = schema.name.partition("::")
+    return namespace in _NAMESPACES and name not in _NOT_COLLECTIVES
+
+
+def data_flow(gm: torch.fx.GraphModule) -> str:
+    """The data flow between ``gm``'s collectives, as text equal on ranks whose flow is equal.
+
+    What a plan of collective buckets depends on besides the collectives
+    themselves (NOTE [rank-invariant first use], NOTE [buckets only where ranks
+    agree]): for each collective, which earlier collectives' results reach its
+    input and whether its result is used; for each node with side effects (and
+    each higher-order op) that reads a collective's result, which results reach
+    it, in graph order.  Compute that does not feed a collective or a node with
+    side effects is left out.
+    """
+    reach: dict[torch.fx.Node, int] = {}
+    out: list[str] = []
+    index = 0
+    for node in gm.graph.nodes:
+        mask = 0
+        for a in node.all_input_nodes:
+            mask |= reach.get(a, 0)
+        if _is_collective(node):
+            used = any(u.users for u in node.users)
+            out.append(f"c{mask:x}{'u' if used else ''}")
+            mask |= 1 << index
+            index += 1
+        elif mask and node.op == "call_function" and (node.is_impure() or _compat.is_higher_order_op(node.target)):
+            out.append(f"i{mask:x}")
+        reach[node] = mask
+    return " ".join(out)

@@ -1,4 +1,4 @@
-"""Where the collective check hooks in: AOTAutograd's graphs at compile time, the compiled callable's first run.
+"""Where the collective check hooks in: AOTAutograd's graphs at compile time, the compiled callables' runs.
 
 NOTE [collective check hook]
 Every backend built on AOTAutograd (``aot_eager``, ``inductor``, and the
@@ -6,15 +6,15 @@ compiled-autograd backward's backend) calls ``aot_module_simplified`` from
 ``torch._dynamo.backends.common``; ``install`` replaces that name with
 :func:`_checked_aot_module_simplified`, which
 
-* wraps ``partition_fn`` to read the forward *and* backward graphs right after
-  partitioning (the backward is compiled lazily on first backward, but its
-  graph exists here), and ``inference_compiler`` to read an inference graph;
-* returns the compiled callable wrapped so that its first run agrees the
-  fingerprint with the other ranks (:func:`.exchange.check_collectives`) before
-  any collective of the graph is issued, backward included.  Later runs cost
-  one flag test.
+* wraps ``partition_fn`` to read the forward graph right after partitioning,
+  and ``inference_compiler`` to read an inference graph, and returns the
+  compiled callable wrapped by :func:`.stream.checked`;
+* wraps ``bw_compiler`` so that the backward (compiled lazily, at its first
+  run) is wrapped the same way: its collectives come later in the stream, after
+  whatever ran between the forward and the backward, so they are checked when
+  the backward runs (NOTE [when the stream is checked]).
 
-Hooking the first run, not the compile, keeps a rank that compiles a graph and
+Checking at a run, not at the compile, keeps a rank that compiles a graph and
 one that takes it from a cache in step: both run it.  AOTAutograd's own cache
 (``AOTAutogradCache``) would hand back a compiled graph without its graphs, so
 the graphs that may hold collectives (a collective op, a tensor subclass such
@@ -32,17 +32,18 @@ from typing import Any
 
 from .. import _compat, config
 from .._patching import Patcher
-from .exchange import CollectiveMismatchError, check_collectives
-from .fingerprint import Collective, collectives
+from .fingerprint import Collective, collectives, data_flow
+from .stream import checked, group_plans
 
 log = logging.getLogger(__name__)
 
 
 class _Capture:
-    """The fingerprint of the graph(s) one ``aot_module_simplified`` call compiles."""
+    """The forward (or inference) graph's collectives and data flow, read where AOTAutograd compiles it."""
 
     def __init__(self) -> None:
         self.records: list[Collective] | None = None
+        self.flow = ""
 
 
 def _may_have_collectives(gm: Any, example_inputs: Any) -> bool:
@@ -73,44 +74,39 @@ def _wrap_partition(partition_fn: Callable[..., Any], capture: _Capture) -> Call
     @functools.wraps(partition_fn)
     def partition(*args: Any, **kwargs: Any) -> Any:
         fw, bw = partition_fn(*args, **kwargs)
-        capture.records = collectives(fw, "forward") + collectives(bw, "backward")
+        capture.records, capture.flow = collectives(fw, "forward"), data_flow(fw)
         return fw, bw
 
     return partition
 
 
-def _wrap_compiler(compiler: Any, capture: _Capture) -> Any:
+def _wrap_compiler(compiler: Any, compile_fn: Callable[..., Any]) -> Any:
+    """``compiler`` (a function or a ``SerializableAOTDispatchCompiler``) calling ``compile_fn(inner, gm, ...)``."""
     inner = getattr(compiler, "compiler_fn", compiler)
 
     @functools.wraps(inner)
-    def compile_inference(gm: Any, example_inputs: Any, *args: Any, **kwargs: Any) -> Any:
-        capture.records = collectives(gm, "forward")
-        return inner(gm, example_inputs, *args, **kwargs)
+    def wrapped(gm: Any, example_inputs: Any, *args: Any, **kwargs: Any) -> Any:
+        return compile_fn(inner, gm, example_inputs, *args, **kwargs)
 
     if inner is compiler:
-        return compile_inference
-    return _compat.serializable_compiler(compiler, compile_inference)
+        return wrapped
+    return _compat.serializable_compiler(compiler, wrapped)
 
 
-def _first_run_checked(compiled: Callable[..., Any], records: list[Collective]) -> Callable[..., Any]:
-    """``compiled`` whose first call agrees ``records`` across ranks; later calls test one flag."""
-    pending: list[list[Collective]] = [records]
-    failed: list[BaseException] = []
+def _capture_inference(capture: _Capture) -> Callable[..., Any]:
+    def compile_inference(inner: Any, gm: Any, *args: Any, **kwargs: Any) -> Any:
+        capture.records, capture.flow = collectives(gm, "forward"), data_flow(gm)
+        return inner(gm, *args, **kwargs)
 
-    @functools.wraps(compiled)
-    def run(*args: Any, **kwargs: Any) -> Any:
-        if pending:
-            if failed:
-                raise failed[0]
-            try:
-                check_collectives(pending[0])
-            except CollectiveMismatchError as e:
-                failed.append(e)
-                raise
-            pending.clear()
-        return compiled(*args, **kwargs)
+    return compile_inference
 
-    return run
+
+def _checked_backward(inner: Any, gm: Any, *args: Any, **kwargs: Any) -> Any:
+    """Compile the backward (lazily, at its first run) and check it on its own runs: its collectives come later
+    in the stream than the forward's, after whatever ran in between."""
+    plans = group_plans(collectives(gm, "backward"), data_flow(gm))
+    compiled = inner(gm, *args, **kwargs)
+    return checked(compiled, plans) if plans else compiled
 
 
 def _checked(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -123,16 +119,17 @@ def _checked(original: Callable[..., Any]) -> Callable[..., Any]:
             return original(mod, args, **kwargs)
         capture = _Capture()
         kwargs["partition_fn"] = _wrap_partition(kwargs.get("partition_fn") or _compat.default_partition(), capture)
+        backward = kwargs.get("bw_compiler") or kwargs["fw_compiler"]
+        kwargs["bw_compiler"] = _wrap_compiler(backward, _checked_backward)
         inference = kwargs.get("inference_compiler") or kwargs["fw_compiler"]
-        kwargs["inference_compiler"] = _wrap_compiler(inference, capture)
+        kwargs["inference_compiler"] = _wrap_compiler(inference, _capture_inference(capture))
         with _compat.aot_autograd_cache_off():
             compiled = original(mod, args, **kwargs)
-        if not capture.records:
+        plans = group_plans(capture.records or (), capture.flow)
+        if not plans:
             return compiled
-        log.debug(
-            "collective check: %d collectives in the compiled graph(s), agreed on first run", len(capture.records)
-        )
-        return _first_run_checked(compiled, capture.records)
+        log.debug("collective check: %d forward collectives, checked where their context is new", len(capture.records))
+        return checked(compiled, plans)
 
     return aot_module_simplified
 

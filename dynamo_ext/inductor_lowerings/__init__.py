@@ -29,10 +29,11 @@ def install(patches: Patcher) -> None:
     """
     if not _compat.has_functional_collectives():
         return
-    from . import bucketing, ops, rms_norm_fusion, rms_norm_lowering
+    from . import bucket_op, bucketing, ops, rms_norm_fusion, rms_norm_lowering
     from .registry import append_post_grad_passes, install_lowerings
 
     patches.on_undo(_compat.forget_symm_mem_groups)  # NOTE [symmetric memory route]
     ops.define_ops(patches)
+    bucket_op.define(patches)  # NOTE [buckets only where ranks agree]
     install_lowerings(patches, rms_norm_lowering.rules())
     append_post_grad_passes(patches, [rms_norm_fusion.ResidualRMSNormPass(), bucketing.AllReduceBucketingPass()])

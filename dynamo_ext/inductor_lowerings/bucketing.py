@@ -30,9 +30,10 @@ into the next collective, rank 1 does not), or where a node that cannot move (a
 mutation, a random op) reads a result early on some ranks only: the collectives
 still agree on op, shape and order (the collective check, which compares the
 graphs before this pass, passes them), but nothing short of asking the other
-ranks could make the buckets agree.  Such programs are not bucketed
-consistently; ``options.bucket_all_reduces = False`` (and
-``bucket_all_gathers_reduce_scatters``) is the way out.
+ranks could make the buckets agree: so the pass emits each bucket in a form
+that runs merged only where the ranks agree, decided per run by the
+collective check (NOTE [buckets only where ranks agree]); elsewhere it runs as
+the separate collectives.
 
 The merged all-reduce reads one flat buffer built by ``cat`` of the flattened
 inputs, which Inductor lowers to a single pack kernel with the inputs' pointwise
@@ -71,7 +72,7 @@ import torch
 import torch.fx
 import torch.utils._pytree as pytree
 
-from . import _compat, options
+from . import _compat, bucket_op, options
 from .registry import package_sources
 
 aten = torch.ops.aten
@@ -281,13 +282,35 @@ def _replace(graph: torch.fx.Graph, m: _Member, flat: torch.fx.Node, start: int,
     m.wait.replace_all_uses_with(out)
 
 
-def _merge_all_reduce(graph: torch.fx.Graph, members: list[_Member]) -> torch.fx.Node:
+def _issue(
+    graph: torch.fx.Graph, kind: str, args: tuple[Any, ...], sizes: list[int], last: torch.fx.Node, switchable: bool
+) -> tuple[torch.fx.Node, torch.fx.Node]:
+    """``(collective, waited result)`` of a merged bucket: the stock collective and its wait, or, switchable, one
+    ``dynamo_ext::bucketed_collective`` that runs merged or unmerged per run (NOTE [buckets only where ranks agree])."""
+    packed, group_name = args[0], args[-1]
+    if switchable:
+        reduce_op = "" if kind == ALL_GATHER else args[1]
+        size = 1 if kind == ALL_REDUCE else args[1] if kind == ALL_GATHER else args[2]
+        node = _call(
+            graph, bucket_op.bucketed_collective_op(), (packed, kind, sizes, reduce_op, size, group_name), last
+        )
+        return node, node
+    target = {
+        ALL_REDUCE: c10d.all_reduce.default,
+        ALL_GATHER: c10d.all_gather_into_tensor.default,
+        REDUCE_SCATTER: c10d.reduce_scatter_tensor.default,
+    }[kind]
+    merged = _call(graph, target, args, last)
+    return merged, _call(graph, c10d.wait_tensor.default, (merged,), last)
+
+
+def _merge_all_reduce(graph: torch.fx.Graph, members: list[_Member], switchable: bool) -> torch.fx.Node:
     last = members[-1].collective
     _, reduce_op, group_name = last.args
     flats = [_call(graph, aten.view.default, (m.collective.args[0], [m.numel]), m.collective) for m in members]
     packed = _call(graph, aten.cat.default, (flats, 0), last)
-    merged = _call(graph, c10d.all_reduce.default, (packed, reduce_op, group_name), last)
-    reduced = _call(graph, c10d.wait_tensor.default, (merged,), last)
+    sizes = [m.numel for m in members]
+    merged, reduced = _issue(graph, ALL_REDUCE, (packed, reduce_op, group_name), sizes, last, switchable)
     offset = 0
     for m in members:
         _replace(graph, m, reduced, offset, offset + m.numel)
@@ -295,15 +318,15 @@ def _merge_all_reduce(graph: torch.fx.Graph, members: list[_Member]) -> torch.fx
     return merged
 
 
-def _merge_all_gather(graph: torch.fx.Graph, members: list[_Member]) -> torch.fx.Node:
+def _merge_all_gather(graph: torch.fx.Graph, members: list[_Member], switchable: bool) -> torch.fx.Node:
     """NOTE [all-gather / reduce-scatter buckets]: pack, gather, re-assemble rank order."""
     last = members[-1].collective
     _, size, group_name = last.args
     total = sum(m.numel for m in members)
     flats = [_call(graph, aten.view.default, (m.collective.args[0], [m.numel]), m.collective) for m in members]
     packed = _call(graph, aten.cat.default, (flats, 0), last)
-    merged = _call(graph, c10d.all_gather_into_tensor.default, (packed, size, group_name), last)
-    gathered = _call(graph, c10d.wait_tensor.default, (merged,), last)
+    sizes = [m.numel for m in members]
+    merged, gathered = _issue(graph, ALL_GATHER, (packed, size, group_name), sizes, last, switchable)
     rows = _call(graph, aten.view.default, (gathered, [size, total]), last)  # row r: rank r's packed buffer
     blocks = []
     offset = 0
@@ -320,7 +343,7 @@ def _merge_all_gather(graph: torch.fx.Graph, members: list[_Member]) -> torch.fx
     return merged
 
 
-def _merge_reduce_scatter(graph: torch.fx.Graph, members: list[_Member]) -> torch.fx.Node:
+def _merge_reduce_scatter(graph: torch.fx.Graph, members: list[_Member], switchable: bool) -> torch.fx.Node:
     """NOTE [all-gather / reduce-scatter buckets]: rank r's chunk holds every member's r-th chunk."""
     last = members[-1].collective
     _, reduce_op, size, group_name = last.args
@@ -331,8 +354,7 @@ def _merge_reduce_scatter(graph: torch.fx.Graph, members: list[_Member]) -> torc
     ]
     packed = _call(graph, aten.cat.default, (blocks, 1), last)  # (W, C)
     flat = _call(graph, aten.view.default, (packed, [size * sum(chunks)]), last)
-    merged = _call(graph, c10d.reduce_scatter_tensor.default, (flat, reduce_op, size, group_name), last)
-    reduced = _call(graph, c10d.wait_tensor.default, (merged,), last)
+    merged, reduced = _issue(graph, REDUCE_SCATTER, (flat, reduce_op, size, group_name), chunks, last, switchable)
     offset = 0
     for m, c in zip(members, chunks):
         _replace(graph, m, reduced, offset, offset + c)
@@ -347,12 +369,16 @@ _MERGERS = {
 }
 
 
-def merge_bucket(graph: torch.fx.Graph, members: list[_Member]) -> torch.fx.Node:
-    """Replace the members by pack -> one collective -> wait -> unpack; return the new collective."""
+def merge_bucket(graph: torch.fx.Graph, members: list[_Member], *, switchable: bool = False) -> torch.fx.Node:
+    """Replace the members by pack -> one collective -> wait -> unpack; return the new collective.
+
+    ``switchable``: the collective and its wait are one ``dynamo_ext::bucketed_collective``
+    that runs merged only where the ranks agree (NOTE [buckets only where ranks agree]).
+    """
     anchor = members[-1].collective
     readers = _readers_before(members, anchor)
     with graph.inserting_before(anchor):
-        merged = _MERGERS[anchor.target](graph, members)
+        merged = _MERGERS[anchor.target](graph, members, switchable)
     # NOTE [rank-invariant first use]: what read a member's result before the merged collective moves
     # after it, in order.  The unpacking nodes all sit right before the anchor, so the readers go there too.
     for reader in readers:
@@ -363,11 +389,16 @@ def merge_bucket(graph: torch.fx.Graph, members: list[_Member]) -> torch.fx.Node
     return merged
 
 
-def bucket_collectives(graph: torch.fx.Graph) -> int:
-    """Merge every planned bucket; return the number of collectives removed."""
+def bucket_collectives(graph: torch.fx.Graph, *, switchable: bool = False) -> int:
+    """Merge every planned bucket; return the number of collectives removed.
+
+    ``switchable``: see :func:`merge_bucket`.  Callers whose graph is the same on
+    every rank by construction (the gradient buckets of ``data_parallel``) merge
+    outright; the post-grad pass, which sees one rank's graph, merges switchably.
+    """
     removed = 0
     for members in plan_buckets(graph):
-        merge_bucket(graph, members)
+        merge_bucket(graph, members, switchable=switchable)
         removed += len(members) - 1
     if removed:
         graph.lint()
@@ -382,7 +413,7 @@ class AllReduceBucketingPass(_compat.custom_graph_pass_base()):  # type: ignore[
     """Post-grad pass for fusion 2 (NOTE [all-reduce bucketing order], NOTE [all-gather / reduce-scatter buckets])."""
 
     def __call__(self, graph: torch.fx.Graph) -> None:
-        bucket_collectives(graph)
+        bucket_collectives(graph, switchable=True)  # NOTE [buckets only where ranks agree]
 
     def uuid(self) -> Any:
         return _compat.hash_for_files(

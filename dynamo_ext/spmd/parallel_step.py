@@ -171,7 +171,7 @@ class DataParallelStep:
         )
         overlap.merge_buckets(gm, buckets)
         # Every rank must issue these all-reduces: agreed with the others before the step first runs
-        # (the plugin's collective check, NOTE [collective check meeting point]; bounded, never a hang).
+        # (the plugin's collective check, NOTE [collective stream check]; bounded, never a hang).
         check_collectives(collectives(gm))
         split = overlap.split_at_buckets(gm, buckets) if self.split else None
         runner = self._compile_graph(split if split is not None else gm)

@@ -1,0 +1,334 @@
+"""When a compiled graph's collectives are checked, and what this process remembers between checks.
+
+NOTE [when the stream is checked]
+A compiled graph is checked (:func:`.exchange.agree`) when it runs in a
+*context* this rank has not seen: per process group, the pair (the graph that
+ran last on the group, this graph), each graph named by its digest (its
+collectives with shapes, dtypes and issuing lines, and the data flow between
+them, :func:`graph_digest`).  So a graph is checked at its first run, and again
+whenever it follows another graph than before: a graph agreed once and then
+run on rank 0 only (the others run something else there) is a new context on
+rank 0 and is checked.  A recompile on one rank with the same collectives has
+the same digest, so it is no new context and meets no one.  Per call, the
+check costs one dictionary lookup per group of the graph
+(``benchmarks/bench_collective_check.py``).
+
+What a rank cannot see without talking to its peers on every call:
+
+* collectives issued outside compiled graphs (eager ``dist.all_reduce``, a
+  graph compiled with ``backend="eager"``) are neither described nor checked;
+  a rank blocked inside one is not told apart from a slow rank;
+* a divergence between graphs that each already followed the same predecessor
+  on their rank (rank 0 runs A after B, rank 1 runs C after B, and both pairs
+  were checked before at other positions): no rank checks, the collectives run
+  as issued (a hang, or on gloo "Received data size doesn't match");
+* a context new on some ranks only, where the others run a context they
+  checked before: the ranks in the new context wait for the others' entries,
+  which never come, and raise after ``config.collective_check_timeout_s`` even
+  when the collectives would have matched (a rank-dependent graph break that
+  first appears after the others settled, e.g. ``if rank == 0 and step % 100 == 0:
+  print(...)`` inside the compiled step).  Keep rank-dependent prints out of
+  compiled code, or switch the check off;
+* a mismatch found at a later position of a graph than its first: the rank
+  that writes second raises; the peer, which compared only what it saw, may
+  already wait inside the collective and then ends with the process group's
+  timeout or error.
+
+NOTE [fake runs are not checked]
+A compiled graph may be run on fake tensors at compile time (DDPOptimizer's
+submodule compiler runs each compiled submodule to pass fake outputs on):
+no collective is issued, so the run has no stream position.  Such a run in a
+new context is neither checked nor remembered (its buckets run unmerged, on
+fake data); only the test for fake arguments is added to the new-context path.
+
+The bucket decisions (NOTE [buckets only where ranks agree]) are remembered
+with the context: each run of a graph sets, per group, whether its buckets run
+merged (:func:`merge_decision`), as decided at the check of its context.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from .. import _compat, config
+from .exchange import GroupRun, agree
+from .fingerprint import Collective
+
+log = logging.getLogger(__name__)
+
+
+class _State:
+    """This process's stream state, for one default store (one ``init_process_group``)."""
+
+    def __init__(self, epoch: int = 0, store: Any = None) -> None:
+        self.epoch = epoch
+        self.store = store
+        self.last: dict[str, str] = {}
+        """group -> digest of the graph that ran last on it."""
+        self.seen: dict[tuple[str | None, str], bool] = {}
+        """(previous digest, digest) -> whether buckets run merged in that context."""
+        self.merge: dict[str, bool] = {}
+        """group -> whether the running graph's buckets on it run merged."""
+        self.merged_away: dict[str, int] = {}
+        """group -> collectives merged away by buckets so far (they count as issued, NOTE [collective stream check])."""
+        self.started: dict[str, tuple[GroupPlan, int]] = {}
+        """group -> (the graph that ran last on it, its first position); only while positions are tracked."""
+
+
+_state = _State()
+_track = False
+"""Whether new wrappers record each run's first position (NOTE [where each rank waits]); off: no cost per call."""
+
+
+def reset() -> None:
+    """Forget every checked context and start a new key space in the store.
+
+    A rank that goes on after a :class:`~dynamo_ext.CollectiveMismatchError`
+    (a test, a retry) calls this on every rank of the world before its next
+    compiled graph, as it would call ``torch._dynamo.reset()``: the ranks that
+    failed may have stopped at different positions.
+    """
+    global _state
+    _state = _State(_state.epoch + 1, _state.store)
+
+
+def merge_decision(group: str) -> bool:
+    """Whether the running graph's collective buckets on ``group`` run merged (False when no check decided)."""
+    return _state.merge.get(group, False)
+
+
+def count_merged_away(group: str, count: int) -> None:
+    """Record that a merged bucket issued one collective for ``count + 1`` on ``group``."""
+    _state.merged_away[group] = _state.merged_away.get(group, 0) + count
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupPlan:
+    """A compiled graph's collectives on one group with another rank (what a check of that group compares)."""
+
+    group: str
+    ranks: tuple[int, ...]
+    records: tuple[Collective, ...]
+    digest: str
+
+
+def _pattern(ranks: Sequence[int]) -> list[int]:
+    return [r - ranks[0] for r in ranks] if ranks else []
+
+
+def graph_digest(group: str, records: Sequence[Collective], flow: str) -> str:
+    """A digest of a graph's collectives (all groups; other groups by rank pattern) and data flow, for ``group``.
+
+    Equal on ranks of ``group`` that run the same collectives, from the same
+    lines, with the same data flow between them (:func:`.fingerprint.data_flow`).
+    """
+    rows = [
+        [c.op, c.reduce_op, list(c.tensors), list(c.args), c.phase, c.site, c.group == group, _pattern(c.ranks)]
+        for c in records
+    ]
+    return hashlib.sha1(json.dumps([rows, flow]).encode()).hexdigest()[:20]
+
+
+def group_plans(records: Sequence[Collective], flow: str) -> list[GroupPlan]:
+    """One plan per group of ``records`` that holds this rank and another one, in order of first use."""
+    rank = _compat.global_rank()
+    by_group: dict[str, list[Collective]] = {}
+    for c in records:
+        if c.group and len(c.ranks) > 1 and rank in c.ranks:
+            by_group.setdefault(c.group, []).append(c)
+    return [GroupPlan(g, cs[0].ranks, tuple(cs), graph_digest(g, records, flow)) for g, cs in by_group.items()]
+
+
+def _check(plans: Sequence[GroupPlan], state: _State) -> None:
+    """Check the plans whose context is new (NOTE [when the stream is checked]); record the decisions."""
+    if not config.collective_check:
+        return  # nothing remembered: the buckets run as separate collectives
+    store = _compat.default_store()
+    rank = _compat.global_rank()
+    if store is None or rank is None:
+        log.debug("collective check skipped: no default store")
+        return
+    if state.store is not store:
+        state.__init__(state.epoch, store)  # a new process group world: nothing seen in it yet
+    runs, contexts = [], {}
+    for p in plans:
+        context = (state.last.get(p.group), p.digest)
+        if context in state.seen:
+            continue
+        contexts[p.group] = context
+        if _compat.group_is_fake(p.group):
+            state.seen[context] = True  # one process: no peer to disagree with
+            continue
+        seq = _compat.group_sequence_number(p.group)
+        if seq is None:
+            log.info("collective check skipped on group %r: its backend does not count its collectives", p.group)
+            state.seen[context] = False
+            continue
+        start = seq + state.merged_away.get(p.group, 0)
+        runs.append(GroupRun(p.group, p.ranks, p.records, p.digest, start))
+    if runs:
+        decided = agree(runs, store=store, epoch=state.epoch, rank=rank)
+        for group, merge in decided.items():
+            state.seen[contexts[group]] = merge
+            if not merge:
+                log.debug("collective buckets on group %r run unmerged: the ranks' graphs differ here", group)
+
+
+def checked(compiled: Callable[..., Any], plans: Sequence[GroupPlan]) -> Callable[..., Any]:
+    """``compiled``, checked on each call whose context is new (NOTE [when the stream is checked]).
+
+    Keeps ``compiled``'s calling convention (``_boxed_call``).
+
+    Raises (from the returned callable):
+        CollectiveMismatchError: from :func:`.exchange.agree`.
+    """
+    plans = tuple(plans)
+    inner = _checked_one_group(compiled, plans) if len(plans) == 1 else _checked_groups(compiled, plans)
+    return _tracked(inner, compiled, plans) if _track else inner
+
+
+def _checked_groups(compiled: Callable[..., Any], plans: tuple[GroupPlan, ...]) -> Callable[..., Any]:
+    """:func:`checked` for a graph on several groups: every new context checked in one exchange."""
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        state = _state
+        seen, last, merge = state.seen, state.last, state.merge
+        for p in plans:
+            decided = seen.get((last.get(p.group), p.digest))
+            if decided is None:
+                if _compat.has_fake_tensor(args):
+                    return compiled(*args, **kwargs)  # NOTE [fake runs are not checked]
+                _check(plans, state)
+                state = _state
+                seen, last, merge = state.seen, state.last, state.merge
+                decided = seen.get((last.get(p.group), p.digest), False)
+            merge[p.group] = decided
+        for p in plans:
+            last[p.group] = p.digest
+        return compiled(*args, **kwargs)
+
+    return _like(run, compiled)
+
+
+def _checked_one_group(compiled: Callable[..., Any], plans: tuple[GroupPlan, ...]) -> Callable[..., Any]:
+    """:func:`checked` for a graph on one group (the common case), with fewer steps per call."""
+    group, digest = plans[0].group, plans[0].digest
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        state = _state
+        last = state.last
+        decided = state.seen.get((last.get(group), digest))
+        if decided is None:
+            if _compat.has_fake_tensor(args):
+                return compiled(*args, **kwargs)  # NOTE [fake runs are not checked]
+            _check(plans, state)
+            state = _state
+            last = state.last
+            decided = state.seen.get((last.get(group), digest), False)
+        state.merge[group] = decided
+        last[group] = digest
+        return compiled(*args, **kwargs)
+
+    return _like(run, compiled)
+
+
+def _tracked(
+    inner: Callable[..., Any], compiled: Callable[..., Any], plans: tuple[GroupPlan, ...]
+) -> Callable[..., Any]:
+    """``inner`` (a checked ``compiled``) that also records where each run starts on each group
+    (NOTE [where each rank waits])."""
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        if _compat.has_fake_tensor(args):
+            return inner(*args, **kwargs)
+        for p in plans:
+            seq = _compat.group_sequence_number(p.group)
+            if seq is not None:
+                _state.started[p.group] = (p, seq + _state.merged_away.get(p.group, 0))
+        return inner(*args, **kwargs)
+
+    return _like(run, compiled)
+
+
+def track_positions(on: bool = True) -> None:
+    """Record, from now on, where each checked compiled graph starts on each group (NOTE [where each rank waits]).
+
+    Costs one read of each group's collective count per call of graphs compiled
+    while on; the audit switches it on for the ranks it runs.
+    """
+    global _track
+    _track = on
+
+
+def in_flight() -> list[dict[str, Any]]:
+    """Per group a tracked graph ran on: the collective this rank entered last and its stream position.
+
+    NOTE [where each rank waits]
+    A rank blocked in a compiled graph's collective shows only the compiled
+    code's frames (and a resumed function's line, not the collective's).  With
+    positions tracked, each group's count of issued collectives tells which of
+    the last graph's collectives was entered last: position ``count - 1``.
+    Returned rows (JSON-able): ``group``, ``position`` (of the last collective
+    entered, -1 for none), ``collective`` (its description, ``""`` when it was
+    not one of the graph's, e.g. an eager collective after it), ``source``
+    (its line), ``in_graph`` (whether that collective is one of the last
+    graph's: a rank whose stack is inside the graph waits in it).  Safe to call
+    from another thread.
+    """
+    rows = []
+    for group, (plan, start) in list(_state.started.items()):
+        seq = _compat.group_sequence_number(group)
+        if seq is None:
+            continue
+        issued = seq + _state.merged_away.get(group, 0)
+        k = issued - start
+        inside = 0 < k <= len(plan.records)
+        c = plan.records[k - 1] if inside else None
+        rows.append(
+            {
+                "group": group,
+                "position": issued - 1,
+                "collective": c.describe() if c is not None else "",
+                "source": c.source if c is not None else "",
+                "in_graph": inside,
+            }
+        )
+    return rows
+
+
+def _like(run: Callable[..., Any], compiled: Callable[..., Any]) -> Callable[..., Any]:
+    run.__name__ = getattr(compiled, "__name__", "compiled")
+    run.__wrapped__ = compiled  # type: ignore[attr-defined]
+    if getattr(compiled, "_boxed_call", False):
+        run._boxed_call = True  # type: ignore[attr-defined]
+    return run
+
+
+def check_collectives(records: Sequence[Collective]) -> None:
+    """Check ``records``, which this rank issues next, against the peers' at the same stream positions, now.
+
+    For code that issues collectives outside a checked compiled graph (a traced
+    step run as is): the positions are the groups' counts now.  Its entries live
+    apart from the compiled graphs' (they take no part in bucket decisions).
+    Returns at once without a group with another rank, with the check off, or
+    on a fake group.
+
+    Raises:
+        CollectiveMismatchError: from :func:`.exchange.agree`.
+    """
+    store, rank = _compat.default_store(), _compat.global_rank()
+    if not config.collective_check or store is None or rank is None:
+        return
+    runs = []
+    for p in group_plans(records, ""):
+        seq = _compat.group_sequence_number(p.group)
+        if seq is None or _compat.group_is_fake(p.group):
+            continue
+        runs.append(GroupRun(p.group, p.ranks, p.records, p.digest, seq + _state.merged_away.get(p.group, 0)))
+    if runs:
+        agree(runs, store=store, epoch=f"{_state.epoch}/direct", rank=rank)
