@@ -91,7 +91,6 @@ def test_hook_checks_forward_and_backward_where_their_context_is_new(world, monk
 
     monkeypatch.setattr(stream, "agree", agree)
     monkeypatch.setattr(_compat, "group_is_fake", lambda name: False)  # as if the peers were real
-    monkeypatch.setattr(_compat, "group_sequence_number", lambda name: 7)
     collective_check.reset()
 
     def fn(x):
@@ -101,10 +100,13 @@ def test_hook_checks_forward_and_backward_where_their_context_is_new(world, monk
     x = torch.randn(4, requires_grad=True)
     for _ in range(4):
         f(x).sum().backward()
-    forward = [("forward", "all_reduce", 7), ("forward", "all_gather_into_tensor", 8)]
-    backward = [("backward", "reduce_scatter_tensor", 7), ("backward", "all_reduce", 8)]
-    # (none, forward), (forward, backward), then (backward, forward); every later context was seen
-    assert runs == [forward, backward, forward]
+    def at(phase, ops, start):
+        return [(phase, op, start + i) for i, op in enumerate(ops)]
+
+    forward, backward = ("all_reduce", "all_gather_into_tensor"), ("reduce_scatter_tensor", "all_reduce")
+    # (none, forward), (forward, backward), then (backward, forward); every later context was seen.
+    # Positions count the compiled collectives run on the group before, checked or not.
+    assert runs == [at("forward", forward, 0), at("backward", backward, 2), at("forward", forward, 4)]
 
 
 def test_fake_groups_and_switched_off_check_meet_no_one(world):

@@ -3,13 +3,18 @@
 NOTE [collective stream check]
 Ranks agree on the *stream* of collectives each process group sees, in issue
 order, not on graphs: graph boundaries may differ per rank (a ``print`` on rank
-0 only splits its graph in two where rank 1 has one).  Every group counts the
-collectives issued on it (``ProcessGroup._get_sequence_number_for_group()``,
-eager and functional alike; :func:`dynamo_ext._compat.group_sequence_number`),
-so when a graph runs, its collectives on group G occupy positions ``s, s+1,
-...`` where ``s`` is G's count at the call (plus the collectives merged away by
-agreed buckets, NOTE [buckets only where ranks agree]): a position every rank
-computes locally, no counter of ours to keep in step.
+0 only splits its graph in two where rank 1 has one).  Each rank numbers, per
+group, the collectives of the checked compiled graphs it runs (their count so
+far is the next one's position, :mod:`.stream`), so when a graph runs, its
+collectives on group G occupy positions ``s, s+1, ...`` where ``s`` is the
+number of compiled collectives this rank ran on G before: a position every rank
+computes locally, without talking to its peers.  A bucket of collectives
+merged into one (NOTE [buckets only where ranks agree]) keeps its members'
+positions.  The stream holds the compiled graphs' collectives only, not
+point-to-point ops (their peers differ per rank by design) nor collectives
+issued outside compiled graphs: the process group's own count
+(``_get_sequence_number_for_group()``) would include both, and a ``send`` on
+some ranks only would then shift every later position on them.
 
 At a check (:func:`agree`) a rank writes one entry per position of its graph
 under ``<epoch>/<group>/e/<position>/<rank>`` in the default group's store (the

@@ -74,10 +74,15 @@ class _State:
         """(previous digest, digest) -> whether buckets run merged in that context."""
         self.merge: dict[str, bool] = {}
         """group -> whether the running graph's buckets on it run merged."""
+        self.issued: dict[str, int] = {}
+        """group -> collectives of checked compiled graphs this rank has run on it: the next one's stream position."""
+        self.direct: dict[str, int] = {}
+        """group -> collectives checked by :func:`check_collectives` on it (a stream of their own)."""
         self.merged_away: dict[str, int] = {}
-        """group -> collectives merged away by buckets so far (they count as issued, NOTE [collective stream check])."""
-        self.started: dict[str, tuple[GroupPlan, int]] = {}
-        """group -> (the graph that ran last on it, its first position); only while positions are tracked."""
+        """group -> collectives merged away by buckets so far (NOTE [where each rank waits])."""
+        self.started: dict[str, tuple[GroupPlan, int, int]] = {}
+        """group -> (the graph that ran last on it, its first position, the group's count of issued collectives
+        then); only while positions are tracked."""
 
 
 _state = _State()
@@ -164,13 +169,7 @@ def _check(plans: Sequence[GroupPlan], state: _State) -> None:
         if _compat.group_is_fake(p.group):
             state.seen[context] = True  # one process: no peer to disagree with
             continue
-        seq = _compat.group_sequence_number(p.group)
-        if seq is None:
-            log.info("collective check skipped on group %r: its backend does not count its collectives", p.group)
-            state.seen[context] = False
-            continue
-        start = seq + state.merged_away.get(p.group, 0)
-        runs.append(GroupRun(p.group, p.ranks, p.records, p.digest, start))
+        runs.append(GroupRun(p.group, p.ranks, p.records, p.digest, state.issued.get(p.group, 0)))
     if runs:
         decided = agree(runs, store=store, epoch=state.epoch, rank=rank)
         for group, merge in decided.items():
@@ -208,8 +207,10 @@ def _checked_groups(compiled: Callable[..., Any], plans: tuple[GroupPlan, ...]) 
                 seen, last, merge = state.seen, state.last, state.merge
                 decided = seen.get((last.get(p.group), p.digest), False)
             merge[p.group] = decided
+        issued = state.issued
         for p in plans:
             last[p.group] = p.digest
+            issued[p.group] = issued.get(p.group, 0) + len(p.records)
         return compiled(*args, **kwargs)
 
     return _like(run, compiled)
@@ -217,7 +218,7 @@ def _checked_groups(compiled: Callable[..., Any], plans: tuple[GroupPlan, ...]) 
 
 def _checked_one_group(compiled: Callable[..., Any], plans: tuple[GroupPlan, ...]) -> Callable[..., Any]:
     """:func:`checked` for a graph on one group (the common case), with fewer steps per call."""
-    group, digest = plans[0].group, plans[0].digest
+    group, digest, count = plans[0].group, plans[0].digest, len(plans[0].records)
 
     def run(*args: Any, **kwargs: Any) -> Any:
         state = _state
@@ -232,6 +233,8 @@ def _checked_one_group(compiled: Callable[..., Any], plans: tuple[GroupPlan, ...
             decided = state.seen.get((last.get(group), digest), False)
         state.merge[group] = decided
         last[group] = digest
+        issued = state.issued
+        issued[group] = issued.get(group, 0) + count
         return compiled(*args, **kwargs)
 
     return _like(run, compiled)
@@ -249,7 +252,8 @@ def _tracked(
         for p in plans:
             seq = _compat.group_sequence_number(p.group)
             if seq is not None:
-                _state.started[p.group] = (p, seq + _state.merged_away.get(p.group, 0))
+                count = seq + _state.merged_away.get(p.group, 0)
+                _state.started[p.group] = (p, _state.issued.get(p.group, 0), count)
         return inner(*args, **kwargs)
 
     return _like(run, compiled)
@@ -281,18 +285,17 @@ def in_flight() -> list[dict[str, Any]]:
     from another thread.
     """
     rows = []
-    for group, (plan, start) in list(_state.started.items()):
+    for group, (plan, start, count) in list(_state.started.items()):
         seq = _compat.group_sequence_number(group)
         if seq is None:
             continue
-        issued = seq + _state.merged_away.get(group, 0)
-        k = issued - start
+        k = seq + _state.merged_away.get(group, 0) - count
         inside = 0 < k <= len(plan.records)
         c = plan.records[k - 1] if inside else None
         rows.append(
             {
                 "group": group,
-                "position": issued - 1,
+                "position": start + k - 1,
                 "collective": c.describe() if c is not None else "",
                 "source": c.source if c is not None else "",
                 "in_graph": inside,
@@ -313,8 +316,9 @@ def check_collectives(records: Sequence[Collective]) -> None:
     """Check ``records``, which this rank issues next, against the peers' at the same stream positions, now.
 
     For code that issues collectives outside a checked compiled graph (a traced
-    step run as is): the positions are the groups' counts now.  Its entries live
-    apart from the compiled graphs' (they take no part in bucket decisions).
+    step run as is): its positions are counted apart from the compiled graphs',
+    per group, from the collectives checked by this function before, and its
+    entries live apart from theirs (they take no part in bucket decisions).
     Returns at once without a group with another rank, with the check off, or
     on a fake group.
 
@@ -324,11 +328,13 @@ def check_collectives(records: Sequence[Collective]) -> None:
     store, rank = _compat.default_store(), _compat.global_rank()
     if not config.collective_check or store is None or rank is None:
         return
+    if _state.store is not store:
+        _state.__init__(_state.epoch, store)  # a new process group world: nothing checked in it yet
     runs = []
     for p in group_plans(records, ""):
-        seq = _compat.group_sequence_number(p.group)
-        if seq is None or _compat.group_is_fake(p.group):
+        if _compat.group_is_fake(p.group):
             continue
-        runs.append(GroupRun(p.group, p.ranks, p.records, p.digest, seq + _state.merged_away.get(p.group, 0)))
+        runs.append(GroupRun(p.group, p.ranks, p.records, p.digest, _state.direct.get(p.group, 0)))
+        _state.direct[p.group] = _state.direct.get(p.group, 0) + len(p.records)
     if runs:
         agree(runs, store=store, epoch=f"{_state.epoch}/direct", rank=rank)
