@@ -100,6 +100,7 @@ def test_hook_checks_forward_and_backward_where_their_context_is_new(world, monk
     x = torch.randn(4, requires_grad=True)
     for _ in range(4):
         f(x).sum().backward()
+
     def at(phase, ops, start):
         return [(phase, op, start + i) for i, op in enumerate(ops)]
 
