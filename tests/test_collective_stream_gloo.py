@@ -56,6 +56,37 @@ def _dependency_case(rank: int):
     return fn, args
 
 
+def _late_print_on_rank_0(rank: int, backend: str) -> list[bool | str]:
+    """Rank 0 prints at step 3 only, long after every rank agreed on the step's graph: its new graphs are
+    checked against peers that run the agreed graph unchecked (NOTE [answering a peer's check])."""
+    from dynamo_ext import config
+
+    state = {"print": False}
+
+    def fn(a, b):
+        x = funcol.all_reduce(a, "sum", dist.group.WORLD)
+        b = b + x.sum()  # a data dependency: Inductor keeps the two all-reduces apart on every rank
+        if rank == 0 and state["print"]:
+            print("rank 0, step 3 only: a graph break")
+        return x, funcol.all_reduce(b, "sum", dist.group.WORLD)
+
+    compiled = torch.compile(fn, backend=backend)
+    ok: list[bool | str] = []
+    for step in range(6):
+        if step == 3:
+            config.collective_check_timeout_s = TIMEOUT_S  # compiled and agreed: an answer comes at once
+        state["print"] = step == 3
+        g = torch.Generator().manual_seed(30 * step + rank)
+        a, b = torch.randn(4, generator=g), torch.randn(3, generator=g)
+        try:
+            got = compiled(a.clone(), b.clone())
+        except Exception as e:  # noqa: BLE001  (reported to the test)
+            ok.append(f"{type(e).__name__}: {e}")
+            break
+        ok.append(all(torch.allclose(e, c) for e, c in zip(fn(a, b), got)))
+    return ok
+
+
 def _agreed_graph_on_rank_0_only(rank: int, backend: str) -> tuple[str, float]:
     def h(x):
         dist.all_reduce(x)  # stream: h's all-reduce
@@ -117,6 +148,9 @@ def _rank(rank: int, world: int, backend: str) -> dict:
             ok.append(all(torch.allclose(e, c) for e, c in zip(eager, got)))
         out[name] = ok
         dist.barrier()
+    torch._dynamo.reset()
+    out["late_print"] = _late_print_on_rank_0(rank, backend)
+    dist.barrier()
     config.collective_check_timeout_s = TIMEOUT_S
     for name, case in (("rank_0_only", _agreed_graph_on_rank_0_only), ("same_shape", _different_lines_same_shape)):
         torch._dynamo.reset()
@@ -139,6 +173,11 @@ def test_rank_dependent_graph_break_runs_with_eager_values(results):
 def test_rank_dependent_data_dependency_runs_with_eager_values(results):
     backend, res = results
     assert [res[r]["dependency"] for r in range(WORLD)] == [[True] * 3] * WORLD, backend
+
+
+def test_rank_dependent_graph_break_after_agreement_runs_with_eager_values(results):
+    backend, res = results
+    assert [res[r]["late_print"] for r in range(WORLD)] == [[True] * 6] * WORLD, backend
 
 
 @pytest.mark.parametrize("case", ["rank_0_only", "same_shape"])

@@ -4,6 +4,8 @@
 * :mod:`.exchange`: the comparison per stream position through the c10d store, bounded
   (NOTE [collective stream check]);
 * :mod:`.stream`: when a graph is checked, and what a process remembers (NOTE [when the stream is checked]);
+* :mod:`.responder`: a rank answers, from its last runs, a peer's check that waits for it
+  (NOTE [answering a peer's check]);
 * :mod:`.hook`: where it hooks into AOTAutograd and the compiled callable (NOTE [collective check hook]).
 
 Switched by :data:`dynamo_ext.config.collective_check` (env ``DYNAMO_EXT_COLLECTIVE_CHECK``).

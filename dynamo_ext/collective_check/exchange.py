@@ -59,6 +59,7 @@ from typing import Any
 from .. import _compat, config
 from ..errors import CollectiveMismatchError
 from .fingerprint import Collective, same_collective
+from .responder import ask
 
 log = logging.getLogger(__name__)
 
@@ -110,7 +111,7 @@ def agree(runs: Sequence[GroupRun], *, store: Any, epoch: int | str, rank: int) 
 class _Check:
     def __init__(self, runs: Sequence[GroupRun], store: Any, epoch: int | str, rank: int) -> None:
         self.runs, self.rank = list(runs), rank
-        self.store = _compat.prefix_store(f"{_PREFIX}{epoch}/", store)
+        self.store = exchange_store(store, epoch)
         self.gkey = {r.group: _digest(r.group) for r in self.runs}
         store_timeout = getattr(getattr(store, "timeout", None), "total_seconds", lambda: float("inf"))()
         # No longer than a collective itself would wait: the store's timeout is init_process_group's.
@@ -125,9 +126,7 @@ class _Check:
         for r in self.runs:
             self._raise_if_aborted(r)
         for r in self.runs:
-            for i in reversed(range(len(r.records))):  # the first position last (NOTE [collective stream check])
-                entry = {"c": r.records[i].to_json(), "s": r.start, "g": r.digest}
-                store.set(self._entry_key(self.gkey[r.group], r.start + i, rank), json.dumps(entry))
+            write_entries(store, self.gkey[r.group], r, rank)
         store.set(f"w/{rank}", json.dumps([[self.gkey[r.group], r.start, list(r.ranks), r.group] for r in self.runs]))
         start = time.monotonic()
         try:
@@ -142,14 +141,36 @@ class _Check:
         finally:
             store.set(f"w/{rank}", "")
         log.debug("collective stream check on rank %d: peers agree after %.3f s", rank, time.monotonic() - start)
-        return {
-            r.group: all(
-                firsts[(r.group, p)]["s"] == r.start and firsts[(r.group, p)]["g"] == r.digest
-                for p in r.ranks
-                if p != rank
-            )
-            for r in self.runs
-        }
+        return {r.group: self._merge(r, firsts) for r in self.runs}
+
+    def _merge(self, r: GroupRun, firsts: dict[tuple[str, int], dict[str, Any]]) -> bool:
+        """Whether ``r``'s buckets run merged: every peer starts the same graph here, and merges where it decided.
+
+        An entry a peer's responder wrote (NOTE [answering a peer's check]) says
+        how that peer runs its buckets, decided at an earlier check: a peer that
+        merges where this rank's graph differs cannot be followed.
+        """
+        merge = True
+        for peer in r.ranks:
+            if peer == self.rank:
+                continue
+            entry = firsts[(r.group, peer)]
+            same = entry["s"] == r.start and entry["g"] == r.digest
+            if entry.get("m") and not same:
+                message = self._message(
+                    [
+                        f"rank {peer} runs a bucket of merged collectives from position {entry['s']} of group "
+                        f"{r.group!r} (agreed when every rank ran that graph), while rank {self.rank}'s graphs "
+                        f"there differ (a graph break or data dependency that depends on the rank and appeared "
+                        f"after the buckets were agreed); set dynamo_ext.inductor_lowerings.options."
+                        f"bucket_all_reduces and bucket_all_gathers_reduce_scatters to False, or keep rank-dependent "
+                        f"code out of compiled regions"
+                    ]
+                )
+                self.store.set(f"{self.gkey[r.group]}/a", f"rank {self.rank}: {message}")
+                raise CollectiveMismatchError(message)
+            merge = merge and same and entry.get("m", True)
+        return merge
 
     def _raise_if_aborted(self, r: GroupRun) -> None:
         key = f"{self.gkey[r.group]}/a"
@@ -164,6 +185,7 @@ class _Check:
         by_group = {r.group: r for r in self.runs}
         firsts: dict[tuple[str, int], dict[str, Any]] = {}
         sleep = 0.0002
+        asked: set[tuple[str, int]] = set()
         while True:
             for group, peer in sorted(pending):
                 key = self._entry_key(self.gkey[group], by_group[group].start, peer)
@@ -172,6 +194,9 @@ class _Check:
                     pending.discard((group, peer))
             if not pending:
                 return firsts
+            for group, peer in sorted(pending - asked):  # NOTE [answering a peer's check]
+                ask(store, peer, self.gkey[group], group, by_group[group].start)
+                asked.add((group, peer))
             for r in self.runs:
                 self._raise_if_aborted(r)
             elsewhere = [d for peer in sorted({p for _, p in pending}) if (d := self._waiting_elsewhere(peer))]
@@ -215,7 +240,7 @@ class _Check:
                 continue
             self.peer_groups.add(gkey)
             theirs = Collective.from_json(json.loads(self.store.get(self._entry_key(gkey, position, peer)))["c"])
-            mine = ", ".join(f"group {r.group!r} position {r.start}" for r in self.runs)
+            mine = ", ".join(f"position {r.start} of group {r.group!r} (ranks {_ranks(r.ranks)})" for r in self.runs)
             return (
                 f"the stream differs between rank {self.rank} and rank {peer}: "
                 f"rank {peer} waits for rank {self.rank} at position {position} of group {group!r} "
@@ -262,6 +287,27 @@ class _Check:
             "graph they ran before in the same order, no collective at all; or they compile for longer than "
             f"that. This rank's collectives:\n{mine}"
         )
+
+
+def exchange_store(store: Any, epoch: int | str) -> Any:
+    """The default group's ``store`` under the check's key prefix for ``epoch``."""
+    return _compat.prefix_store(f"{_PREFIX}{epoch}/", store)
+
+
+def write_entries(
+    store: Any, gkey: str, r: GroupRun, rank: int, *, first: int | None = None, merged: bool | None = None
+) -> None:
+    """Write ``r``'s entries from position ``first`` (default: its start), the first of them last.
+
+    ``merged``: whether the run's buckets ran merged, for entries written after
+    the run's context was decided (NOTE [answering a peer's check]).
+    """
+    first = r.start if first is None else first
+    for position in reversed(range(first, r.start + len(r.records))):  # NOTE [collective stream check]
+        entry: dict[str, Any] = {"c": r.records[position - r.start].to_json(), "s": r.start, "g": r.digest}
+        if merged is not None:
+            entry["m"] = merged
+        store.set(f"{gkey}/e/{position}/{rank}", json.dumps(entry))
 
 
 def _ranks(scope: Sequence[int] | None) -> str:

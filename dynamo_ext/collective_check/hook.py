@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -44,6 +45,27 @@ class _Capture:
     def __init__(self) -> None:
         self.records: list[Collective] | None = None
         self.flow = ""
+        self.bucketed: frozenset[str] = frozenset()
+
+
+def bucket_groups(compiled: Any) -> frozenset[str]:
+    """The groups on which ``compiled`` (a compiler's output) issues ``dynamo_ext::bucketed_collective`` ops.
+
+    Read from the generated code of Inductor's output (``source_code``, also on
+    an FX-graph-cache hit); other backends do not run the bucketing pass.
+    """
+    source = getattr(compiled, "source_code", None)
+    if not isinstance(source, str):
+        return frozenset()
+    groups = set()
+    for call in _BUCKET_CALL.findall(source):
+        quoted = re.findall(r"'([^']*)'", call)
+        if quoted:
+            groups.add(quoted[-1])  # the op's last argument: the group's name
+    return frozenset(groups)
+
+
+_BUCKET_CALL = re.compile(r"bucketed_collective\.default\(([^\n]*)\)")
 
 
 def _may_have_collectives(gm: Any, example_inputs: Any) -> bool:
@@ -96,16 +118,28 @@ def _wrap_compiler(compiler: Any, compile_fn: Callable[..., Any]) -> Any:
 def _capture_inference(capture: _Capture) -> Callable[..., Any]:
     def compile_inference(inner: Any, gm: Any, *args: Any, **kwargs: Any) -> Any:
         capture.records, capture.flow = collectives(gm, "forward"), data_flow(gm)
-        return inner(gm, *args, **kwargs)
+        compiled = inner(gm, *args, **kwargs)
+        capture.bucketed = bucket_groups(compiled)
+        return compiled
 
     return compile_inference
+
+
+def _capture_forward_buckets(capture: _Capture) -> Callable[..., Any]:
+    def compile_forward(inner: Any, gm: Any, *args: Any, **kwargs: Any) -> Any:
+        compiled = inner(gm, *args, **kwargs)
+        capture.bucketed = bucket_groups(compiled)
+        return compiled
+
+    return compile_forward
 
 
 def _checked_backward(inner: Any, gm: Any, *args: Any, **kwargs: Any) -> Any:
     """Compile the backward (lazily, at its first run) and check it on its own runs: its collectives come later
     in the stream than the forward's, after whatever ran in between."""
-    plans = group_plans(collectives(gm, "backward"), data_flow(gm))
+    records, flow = collectives(gm, "backward"), data_flow(gm)
     compiled = inner(gm, *args, **kwargs)
+    plans = group_plans(records, flow, bucket_groups(compiled))
     return checked(compiled, plans) if plans else compiled
 
 
@@ -123,9 +157,10 @@ def _checked(original: Callable[..., Any]) -> Callable[..., Any]:
         kwargs["bw_compiler"] = _wrap_compiler(backward, _checked_backward)
         inference = kwargs.get("inference_compiler") or kwargs["fw_compiler"]
         kwargs["inference_compiler"] = _wrap_compiler(inference, _capture_inference(capture))
+        kwargs["fw_compiler"] = _wrap_compiler(kwargs["fw_compiler"], _capture_forward_buckets(capture))
         with _compat.aot_autograd_cache_off():
             compiled = original(mod, args, **kwargs)
-        plans = group_plans(capture.records or (), capture.flow)
+        plans = group_plans(capture.records or (), capture.flow, capture.bucketed)
         if not plans:
             return compiled
         log.debug("collective check: %d forward collectives, checked where their context is new", len(capture.records))

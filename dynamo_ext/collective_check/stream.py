@@ -9,9 +9,10 @@ them, :func:`graph_digest`).  So a graph is checked at its first run, and again
 whenever it follows another graph than before: a graph agreed once and then
 run on rank 0 only (the others run something else there) is a new context on
 rank 0 and is checked.  A recompile on one rank with the same collectives has
-the same digest, so it is no new context and meets no one.  Per call, the
-check costs one dictionary lookup per group of the graph
-(``benchmarks/bench_collective_check.py``).
+the same digest, so it is no new context and meets no one.  Per call and per
+group of the graph, the check costs a dictionary lookup, the count of the
+group's positions and an append to the rank's history (NOTE [answering a
+peer's check]); ``benchmarks/bench_collective_check.py --wrapper-only``.
 
 What a rank cannot see without talking to its peers on every call:
 
@@ -22,13 +23,10 @@ What a rank cannot see without talking to its peers on every call:
   on their rank (rank 0 runs A after B, rank 1 runs C after B, and both pairs
   were checked before at other positions): no rank checks, the collectives run
   as issued (a hang, or on gloo "Received data size doesn't match");
-* a context new on some ranks only, where the others run a context they
-  checked before: the ranks in the new context wait for the others' entries,
-  which never come, and raise after ``config.collective_check_timeout_s`` even
-  when the collectives would have matched (a rank-dependent graph break that
-  first appears after the others settled, e.g. ``if rank == 0 and step % 100 == 0:
-  print(...)`` inside the compiled step).  Keep rank-dependent prints out of
-  compiled code, or switch the check off;
+* a graph break or data dependency that depends on the rank and appears
+  after the others agreed on merged buckets there (Inductor): the ranks that
+  see the new context raise at once (NOTE [answering a peer's check]); the
+  others wait in the merged collective until the process group fails it;
 * a mismatch found at a later position of a graph than its first: the rank
   that writes second raises; the peer, which compared only what it saw, may
   already wait inside the collective and then ends with the process group's
@@ -56,8 +54,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from .. import _compat, config
-from .exchange import GroupRun, agree
+from .exchange import GroupRun, agree, exchange_store, write_entries
 from .fingerprint import Collective
+from .responder import History, Responder
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +79,9 @@ class _State:
         """group -> collectives checked by :func:`check_collectives` on it (a stream of their own)."""
         self.merged_away: dict[str, int] = {}
         """group -> collectives merged away by buckets so far (NOTE [where each rank waits])."""
+        self.history = History()
+        """group -> this rank's last runs on it (NOTE [answering a peer's check])."""
+        self.responder: Responder | None = None
         self.started: dict[str, tuple[GroupPlan, int, int]] = {}
         """group -> (the graph that ran last on it, its first position, the group's count of issued collectives
         then); only while positions are tracked."""
@@ -120,6 +122,8 @@ class GroupPlan:
     ranks: tuple[int, ...]
     records: tuple[Collective, ...]
     digest: str
+    bucketed: bool = False
+    """Whether the compiled graph has buckets on this group (which run merged where the check decides)."""
 
 
 def _pattern(ranks: Sequence[int]) -> list[int]:
@@ -139,14 +143,20 @@ def graph_digest(group: str, records: Sequence[Collective], flow: str) -> str:
     return hashlib.sha1(json.dumps([rows, flow]).encode()).hexdigest()[:20]
 
 
-def group_plans(records: Sequence[Collective], flow: str) -> list[GroupPlan]:
-    """One plan per group of ``records`` that holds this rank and another one, in order of first use."""
+def group_plans(records: Sequence[Collective], flow: str, bucketed: frozenset[str] = frozenset()) -> list[GroupPlan]:
+    """One plan per group of ``records`` that holds this rank and another one, in order of first use.
+
+    ``bucketed``: the groups on which the compiled graph has buckets.
+    """
     rank = _compat.global_rank()
     by_group: dict[str, list[Collective]] = {}
     for c in records:
         if c.group and len(c.ranks) > 1 and rank in c.ranks:
             by_group.setdefault(c.group, []).append(c)
-    return [GroupPlan(g, cs[0].ranks, tuple(cs), graph_digest(g, records, flow)) for g, cs in by_group.items()]
+    return [
+        GroupPlan(g, cs[0].ranks, tuple(cs), graph_digest(g, records, flow), g in bucketed)
+        for g, cs in by_group.items()
+    ]
 
 
 def _check(plans: Sequence[GroupPlan], state: _State) -> None:
@@ -171,11 +181,25 @@ def _check(plans: Sequence[GroupPlan], state: _State) -> None:
             continue
         runs.append(GroupRun(p.group, p.ranks, p.records, p.digest, state.issued.get(p.group, 0)))
     if runs:
+        _start_responder(state, store, rank)
         decided = agree(runs, store=store, epoch=state.epoch, rank=rank)
         for group, merge in decided.items():
             state.seen[contexts[group]] = merge
             if not merge:
                 log.debug("collective buckets on group %r run unmerged: the ranks' graphs differ here", group)
+
+
+def _start_responder(state: _State, store: Any, rank: int) -> None:
+    """Answer peers' checks from this rank's history (NOTE [answering a peer's check]), once per world and epoch."""
+    if state.responder is not None:
+        return
+    prefixed = exchange_store(store, state.epoch)
+
+    def write(gkey: str, start: int, plan: GroupPlan, merged: bool, first: int) -> None:
+        run = GroupRun(plan.group, plan.ranks, plan.records, plan.digest, start)
+        write_entries(prefixed, gkey, run, rank, first=first, merged=merged)
+
+    state.responder = Responder(prefixed, rank, state.history, state.issued, write, lambda: _state is state)
 
 
 def checked(compiled: Callable[..., Any], plans: Sequence[GroupPlan]) -> Callable[..., Any]:
@@ -207,10 +231,12 @@ def _checked_groups(compiled: Callable[..., Any], plans: tuple[GroupPlan, ...]) 
                 seen, last, merge = state.seen, state.last, state.merge
                 decided = seen.get((last.get(p.group), p.digest), False)
             merge[p.group] = decided
-        issued = state.issued
+        issued, history = state.issued, state.history
         for p in plans:
             last[p.group] = p.digest
-            issued[p.group] = issued.get(p.group, 0) + len(p.records)
+            start = issued.get(p.group, 0)
+            issued[p.group] = start + len(p.records)
+            history.get(p.group).append((start, p, p.bucketed and merge[p.group]))
         return compiled(*args, **kwargs)
 
     return _like(run, compiled)
@@ -218,7 +244,8 @@ def _checked_groups(compiled: Callable[..., Any], plans: tuple[GroupPlan, ...]) 
 
 def _checked_one_group(compiled: Callable[..., Any], plans: tuple[GroupPlan, ...]) -> Callable[..., Any]:
     """:func:`checked` for a graph on one group (the common case), with fewer steps per call."""
-    group, digest, count = plans[0].group, plans[0].digest, len(plans[0].records)
+    plan = plans[0]
+    group, digest, count, bucketed = plan.group, plan.digest, len(plan.records), plan.bucketed
 
     def run(*args: Any, **kwargs: Any) -> Any:
         state = _state
@@ -234,7 +261,9 @@ def _checked_one_group(compiled: Callable[..., Any], plans: tuple[GroupPlan, ...
         state.merge[group] = decided
         last[group] = digest
         issued = state.issued
-        issued[group] = issued.get(group, 0) + count
+        start = issued.get(group, 0)
+        issued[group] = start + count
+        state.history.get(group).append((start, plan, bucketed and decided))
         return compiled(*args, **kwargs)
 
     return _like(run, compiled)

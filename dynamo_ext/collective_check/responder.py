@@ -1,0 +1,142 @@
+"""A rank answers, from its recent history, a peer's check that waits for a position this rank ran unchecked.
+
+NOTE [answering a peer's check]
+A rank checks a graph only where its context is new on that rank (NOTE [when
+the stream is checked]).  A context can be new on some ranks only: a
+``print`` on rank 0 every 100 steps splits rank 0's graph at step 100, while
+the other ranks run the graph they agreed on long ago, unchecked, and write
+nothing.  Rank 0's check would wait for their entries at its first position
+and end with a false error after the timeout.
+
+So every rank keeps, per group, its last few compiled runs (their first
+position, their collectives, whether their buckets ran merged; a ``deque``
+append per call), and a daemon thread, started at the rank's first check in
+a process group world, answers requests: a rank whose check waits for a
+peer's entry at position ``p`` asks that peer (``q/<peer>/<n>`` in the
+store), and the peer's thread writes the entries of its run that covers
+``p``, as its own check would have.  Collectives block until every rank of
+the group takes part, so a peer is never more than one graph ahead of a
+position some rank still waits to enter: a short history suffices.  A
+position the peer has not reached yet is answered when it gets there (or by
+its own check, if its context is new there too).  An answer says whether the
+run's buckets ran merged, so the asking rank can follow, or raise where it
+cannot (NOTE [buckets only where ranks agree]).
+
+The thread reads the store only (one ``check`` per poll, every
+``_POLL_S``), never a collective, and never holds the GIL while it waits.
+A rank blocked inside a collective (waiting for the asking rank) still
+answers: the process group releases the GIL while it waits.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import logging
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from .. import _compat
+
+log = logging.getLogger(__name__)
+
+HISTORY = 16
+"""Runs remembered per group; more than enough (see the NOTE)."""
+_POLL_S = 0.05
+
+
+class History:
+    """Per group, this rank's last :data:`HISTORY` compiled runs: ``(first position, plan, merged)``."""
+
+    def __init__(self) -> None:
+        self.runs: dict[str, collections.deque[tuple[int, Any, bool]]] = {}
+
+    def get(self, group: str) -> collections.deque[tuple[int, Any, bool]]:
+        runs = self.runs.get(group)
+        if runs is None:
+            runs = self.runs[group] = collections.deque(maxlen=HISTORY)
+        return runs
+
+    def covering(self, group: str, position: int) -> tuple[int, Any, bool] | None:
+        """The run whose collectives on ``group`` include ``position``, if it is still remembered."""
+        for start, plan, merged in list(self.runs.get(group, ())):
+            if start <= position < start + len(plan.records):
+                return start, plan, merged
+        return None
+
+
+def request_key(peer: int, n: int | str) -> str:
+    return f"q/{peer}/{n}"
+
+
+def ask(store: Any, peer: int, gkey: str, group: str, position: int) -> None:
+    """Ask ``peer`` (its thread) for its entries from ``position`` of ``group`` (``store``: the check's prefix store)."""
+    n = store.add(request_key(peer, "n"), 1)
+    store.set(request_key(peer, n), json.dumps([gkey, group, position]))
+
+
+class Responder:
+    """The daemon thread of one rank in one process group world (NOTE [answering a peer's check]).
+
+    Args:
+        store: the check's prefix store for the current epoch.
+        rank: this process's global rank.
+        history: the runs to answer from.
+        issued: per group, the next stream position this rank will take (read only).
+        write: ``write(gkey, start, plan, merged, first)`` writes the entries of a run from position ``first``.
+        alive: whether this responder's world and epoch are still the current ones.
+    """
+
+    def __init__(
+        self,
+        store: Any,
+        rank: int,
+        history: History,
+        issued: dict[str, int],
+        write: Callable[[str, int, Any, bool, int], None],
+        alive: Callable[[], bool],
+    ) -> None:
+        self.store, self.rank, self.history, self.issued = store, rank, history, issued
+        self.write, self.alive = write, alive
+        self.handled = 0
+        self.pending: list[tuple[str, str, int]] = []
+        self.thread = threading.Thread(target=self._loop, name=f"dynamo_ext-check-responder-{rank}", daemon=True)
+        self.thread.start()
+
+    def _loop(self) -> None:
+        stop = threading.Event()
+        while self.alive() and _compat.distributed_initialized():
+            try:
+                self._poll()
+            except Exception as e:  # noqa: BLE001  (the store went away with its world: nothing left to answer)
+                log.debug("collective check responder on rank %d stops: %s", self.rank, e)
+                return
+            stop.wait(_POLL_S)
+
+    def _poll(self) -> None:
+        while self.store.check([request_key(self.rank, self.handled + 1)]):
+            self.handled += 1
+            gkey, group, position = json.loads(self.store.get(request_key(self.rank, self.handled)))
+            self.pending.append((gkey, group, position))
+        self.pending = [req for req in self.pending if not self._answer(*req)]
+
+    def _answer(self, gkey: str, group: str, position: int) -> bool:
+        """Write the entries for ``position``; False while this rank has not reached it."""
+        if self.store.check([f"{gkey}/e/{position}/{self.rank}"]):
+            return True  # written already (this rank's own check, or an earlier request)
+        run = self.history.covering(group, position)
+        if run is None:
+            if self.issued.get(group, 0) > position:
+                log.info(
+                    "collective check: rank %d cannot answer for position %d of group %r: older than its history",
+                    self.rank,
+                    position,
+                    group,
+                )
+                return True
+            return False
+        start, plan, merged = run
+        self.write(gkey, start, plan, merged, position)
+        log.debug("collective check: rank %d answered position %d of group %r", self.rank, position, group)
+        return True
