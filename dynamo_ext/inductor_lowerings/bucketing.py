@@ -72,7 +72,8 @@ import torch
 import torch.fx
 import torch.utils._pytree as pytree
 
-from . import _compat, bucket_op, options
+from .. import _compat
+from . import bucket_op, options
 from .registry import package_sources
 
 aten = torch.ops.aten

@@ -39,7 +39,8 @@ from typing import Any
 import torch
 import torch.fx
 
-from . import _compat, decisions, ops, options
+from .. import _compat
+from . import decisions, ops, options
 from .registry import package_sources
 
 log = logging.getLogger(__name__)
@@ -319,7 +320,7 @@ def one_shot_refusal(match: ResidualRMSNormMatch) -> str | None:
     triton, Inductor comm buffers and symmetric memory in this build, the chain's dtypes.
     Every input is the same on every rank (the graph, the options, the build): no
     local state such as the deprecated symmetric-memory registry (NOTE [symmetric
-    memory route] in _compat.py), so every rank decides alike.
+    memory route] in _compat/symm_mem.py), so every rank decides alike.
     """
     val = _val(match.all_reduce.args[0])
     checks = (
