@@ -91,11 +91,6 @@ class _Member:
     shape: tuple[int, ...]
     """Shape of the collective's result (what the wait's users see)."""
 
-    @property
-    def all_reduce(self) -> torch.fx.Node:
-        """The collective (the name from when only all-reduces were bucketed)."""
-        return self.collective
-
 
 def _val(node: Any) -> Any:
     return node.meta.get("val") if isinstance(node, torch.fx.Node) else None
@@ -404,10 +399,6 @@ def bucket_collectives(graph: torch.fx.Graph, *, switchable: bool = False) -> in
     if removed:
         graph.lint()
     return removed
-
-
-bucket_all_reduces = bucket_collectives
-"""The former name (the pass now buckets all-gathers and reduce-scatters too)."""
 
 
 class AllReduceBucketingPass(_compat.custom_graph_pass_base()):  # type: ignore[misc]
