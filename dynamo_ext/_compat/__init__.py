@@ -169,6 +169,7 @@ from .symm_mem import (
     symm_mem_test_mode,
 )
 from .tracing import (
+    aten_op,
     destroy_library,
     detect_fake_mode,
     fake_mode_of,
@@ -202,6 +203,7 @@ __all__ = [
     "aot_process_inputs",
     "aot_unwraps_async_collective_inputs",
     "async_collective_tensor_type",
+    "aten_op",
     "backend_swapped",
     "backward_hook_variable_class",
     "checkpoint_tags_nested_ops",

@@ -36,12 +36,16 @@ def make_lowering(op: Any, fn: Callable[..., Any]) -> dict[Any, Callable[..., An
 
 
 def custom_graph_pass_base() -> type:
-    """``torch._inductor.custom_graph_pass.CustomGraphPass`` (all supported releases)."""
+    """``torch._inductor.custom_graph_pass.CustomGraphPass`` (the base of post-grad passes, 2.11 to 2.15)."""
     return importlib.import_module("torch._inductor.custom_graph_pass").CustomGraphPass
 
 
 def hash_for_files(paths: tuple[str, ...], extra: str = "") -> bytes:
-    """``get_hash_for_files`` with the ``extra`` argument (a plain sha256 where it lacks one)."""
+    """``custom_graph_pass.get_hash_for_files(paths, extra)``: a hash of the files' contents and ``extra``.
+
+    Probed by calling it: where it takes ``paths`` only (no ``extra`` argument; 2.13 has ``extra``), its
+    hash and ``extra`` are hashed again with sha256.
+    """
     mod = importlib.import_module("torch._inductor.custom_graph_pass")
     try:
         return mod.get_hash_for_files(paths, extra)
@@ -57,7 +61,7 @@ def ir_module() -> Any:
 
 
 def collective_kernel_cls() -> type:
-    """``ir._CollectiveKernel``: the IR class Inductor's comm reordering treats as a collective."""
+    """``ir._CollectiveKernel``: the IR class Inductor's comm reordering treats as a collective (private)."""
     return ir_module()._CollectiveKernel
 
 
@@ -67,7 +71,11 @@ def ops_handler() -> Any:
 
 
 def comm_buffer_api() -> tuple[Callable[..., bool], Callable[..., None], Any] | None:
-    """``(can_realize_as_comm_buffer, realize_as_comm_buffer, CommBufferType.SYMM_MEM)`` or None."""
+    """Inductor's comm buffers: ``(can_realize_as_comm_buffer, realize_as_comm_buffer, CommBufferType.SYMM_MEM)``.
+
+    From ``torch._inductor.comm_lowering`` and ``torch._inductor.ir`` (all three on 2.13, checked here);
+    ``None`` where any of them is missing, and the lowerings then keep the unfused path.
+    """
     comm = importlib.import_module("torch._inductor.comm_lowering")
     ir = ir_module()
     can = getattr(comm, "can_realize_as_comm_buffer", None)
@@ -103,6 +111,8 @@ def estimate_collective_ms(node: Any, *, intra_bw: float | None = None, inter_bw
 
     Its analytical model (NCCL's tuning.cc), not the NCCL simulator;
     ``intra_bw``/``inter_bw`` (GB/s) replace ``torch._inductor.config.intra_node_bw``/``inter_node_bw``.
+    Where ``estimate_nccl_collective_runtime_from_fx_node`` takes ``use_nccl_estimator`` (2.13 does; probed
+    by signature) it is turned off, so the analytical model runs without CUDA.
     """
     try:
         from torch._inductor import comm_analysis

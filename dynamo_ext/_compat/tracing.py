@@ -126,6 +126,15 @@ def op_schema(target: Any) -> Any:
     return target._schema
 
 
+def aten_op(name: str) -> Any:
+    """``torch.ops.aten.<name>`` (the overload packet), ``None`` where this build lacks the op.
+
+    For ops some builds or releases lack, e.g. ``_fused_rms_norm`` (the fused RMSNorm Inductor keeps
+    undecomposed on some devices).
+    """
+    return getattr(torch.ops.aten, name, None)
+
+
 def is_higher_order_op(target: Any) -> bool:
     """Whether an FX node's target is a higher-order op (``torch._ops.HigherOrderOperator``)."""
     hop = getattr(importlib.import_module("torch._ops"), "HigherOrderOperator", None)

@@ -197,7 +197,7 @@ def _match_decomposed(base: dict[str, Any], add: torch.fx.Node, hidden: int, ndi
 
 
 def _match_fused_op(base: dict[str, Any], add: torch.fx.Node, hidden: int, ndim: int) -> ResidualRMSNormMatch | None:
-    fused_op = getattr(aten, "_fused_rms_norm", None)
+    fused_op = _compat.aten_op("_fused_rms_norm")
     if fused_op is None:
         return None
     for node in add.users:
