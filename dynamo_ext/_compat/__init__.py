@@ -1,10 +1,10 @@
-"""Every private torch API dynamo-ext touches, one module per torch subsystem.
+"""Private torch APIs and the differences between torch releases, one module per torch subsystem.
 
 Supported: torch 2.11 to 2.15.  Each difference between releases is a feature
 probe here (an import attempt, ``hasattr``, a signature or behaviour check),
 never a version-string comparison, so a point release that back-ports a
-feature is handled too.  Other modules reach torch internals only through
-this package.
+feature is handled too; each probe's docstring says what it probes and which
+releases have it where known.  Code outside this package probes nothing.
 
 The package re-exports every public name of its modules, so callers write
 ``from dynamo_ext import _compat; _compat.has_functional_op(...)``; a test that
