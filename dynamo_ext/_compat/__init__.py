@@ -4,7 +4,7 @@ Supported: torch 2.11 to 2.15.  Each difference between releases is a feature
 probe here (an import attempt, ``hasattr``, a signature or behaviour check),
 never a version-string comparison, so a point release that back-ports a
 feature is handled too; each probe's docstring says what it probes and which
-releases have it where known.  Code outside this package probes nothing.
+releases have it where known.
 
 The package re-exports every public name of its modules, so callers write
 ``from dynamo_ext import _compat; _compat.has_functional_op(...)``; a test that
