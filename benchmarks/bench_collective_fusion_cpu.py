@@ -117,7 +117,8 @@ def _compile_variants(
     fn: Callable[..., Any], args: tuple[Any, ...], names: tuple[str, ...] = VARIANTS
 ) -> dict[str, Callable[..., Any]]:
     """``fn`` compiled three ways (:data:`VARIANTS`): our passes; none; stock Inductor's bucketing passes."""
-    from dynamo_ext.inductor_lowerings import _compat, options
+    from dynamo_ext import _compat
+    from dynamo_ext.inductor_lowerings import options
 
     fields = ("residual_rms_norm", "bucket_all_reduces", "bucket_all_gathers_reduce_scatters")
     stock_passes = {"bucket_all_reduces_fx": "all", "bucket_all_gathers_fx": "all", "bucket_reduce_scatters_fx": "all"}

@@ -128,7 +128,7 @@ def _setup(smoke: bool, tmp: str) -> tuple[str, str]:
         store = dist.FileStore(os.path.join(tmp, "store"), 1)
         dist.init_process_group("nccl", store=store, rank=0, world_size=1, device_id=torch.device("cuda", 0))
     group_name = dist.group.WORLD.group_name
-    from dynamo_ext.inductor_lowerings import _compat
+    from dynamo_ext import _compat
 
     _compat.ensure_symm_mem_for_group(group_name)  # this release's route (NOTE [symmetric memory route])
     return f"cuda:{torch.cuda.current_device()}", group_name

@@ -197,19 +197,19 @@ def test_uninstall_leaves_a_later_patch_of_the_same_attribute_alone():
 
 
 def test_user_post_grad_pass_set_after_install_is_chained_and_kept_on_uninstall():
-    from dynamo_ext.inductor_lowerings import _compat as lowering_compat
+    from dynamo_ext import _compat
     from dynamo_ext.inductor_lowerings.registry import _members
 
     calls: list[str] = []
 
-    class UserPass(lowering_compat.custom_graph_pass_base()):
+    class UserPass(_compat.custom_graph_pass_base()):
         def __call__(self, graph):
             calls.append("user")
 
         def uuid(self):
             return b"user-pass-after-install"
 
-    cfg = lowering_compat.inductor_config()
+    cfg = _compat.inductor_config()
     before = cfg.post_grad_custom_post_pass
     user = UserPass()
     with cfg.patch(fx_graph_cache=False):  # a cache hit would skip the passes

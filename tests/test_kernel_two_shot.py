@@ -154,7 +154,8 @@ def test_fusion_pass_admits_two_shot_sizes(world, monkeypatch, lowering_options,
     """A 2 KiB all-reduce above ``one_shot_max_bytes``: fused up to ``two_shot_max_bytes``, else stock."""
     from test_lowering_patterns import _args, _compile, block_manual
 
-    from dynamo_ext.inductor_lowerings import _compat, rms_norm_lowering
+    from dynamo_ext import _compat
+    from dynamo_ext.inductor_lowerings import rms_norm_lowering
 
     test_mode = _compat.symm_mem_test_mode()
     if test_mode is None:

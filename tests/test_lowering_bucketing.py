@@ -16,7 +16,8 @@ from torch._inductor.utils import run_and_get_code
 from torch.testing import FileCheck
 
 import dynamo_ext
-from dynamo_ext.inductor_lowerings import _compat, bucketing, options
+from dynamo_ext import _compat
+from dynamo_ext.inductor_lowerings import bucketing, options
 from dynamo_ext.inductor_lowerings.registry import ChainedGraphPass
 
 
@@ -462,18 +463,16 @@ def test_pass_uuids_cover_every_lowering_and_kernel_file(monkeypatch):
     """NOTE [pass identity covers the lowerings]: Inductor's cache key changes when a lowering or kernel does."""
     import os
 
-    from dynamo_ext.inductor_lowerings import _compat as lowering_compat
+    from dynamo_ext._compat import inductor, symm_mem
     from dynamo_ext.inductor_lowerings import bucketing, registry, rms_norm_fusion, rms_norm_lowering
     from dynamo_ext.inductor_lowerings.kernels import one_shot_all_reduce_rms_norm
 
     files = registry.package_sources()
-    for module in (rms_norm_lowering, one_shot_all_reduce_rms_norm, bucketing, rms_norm_fusion):
+    for module in (rms_norm_lowering, one_shot_all_reduce_rms_norm, bucketing, rms_norm_fusion, inductor, symm_mem):
         assert os.path.realpath(module.__file__) in files
     hashed = []
-    real = lowering_compat.hash_for_files
-    monkeypatch.setattr(
-        lowering_compat, "hash_for_files", lambda paths, extra="": hashed.append(paths) or real(paths, extra)
-    )
+    real = _compat.hash_for_files
+    monkeypatch.setattr(_compat, "hash_for_files", lambda paths, extra="": hashed.append(paths) or real(paths, extra))
     bucketing.AllReduceBucketingPass().uuid()
     rms_norm_fusion.ResidualRMSNormPass().uuid()
     assert hashed == [files, files]

@@ -23,7 +23,8 @@ from helpers import run_on_ranks
 from test_lowering_patterns import _args, _compile, block_manual
 
 import dynamo_ext
-from dynamo_ext.inductor_lowerings import _compat, decisions, ops, options, rms_norm_fusion, rms_norm_lowering
+from dynamo_ext import _compat
+from dynamo_ext.inductor_lowerings import decisions, ops, options, rms_norm_fusion, rms_norm_lowering
 
 FUSION_LOGGER = "dynamo_ext.inductor_lowerings.rms_norm_fusion"
 
@@ -267,7 +268,8 @@ def _differing_rank(rank: int, world_size: int) -> dict:
     from torch._inductor.utils import run_and_get_code
 
     import dynamo_ext
-    from dynamo_ext.inductor_lowerings import _compat, decisions, options, rms_norm_lowering
+    from dynamo_ext import _compat
+    from dynamo_ext.inductor_lowerings import decisions, options, rms_norm_lowering
 
     options.one_shot = True
     options.one_shot_device_types = ("cpu",)

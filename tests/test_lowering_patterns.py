@@ -18,7 +18,8 @@ from torch._inductor.utils import run_and_get_code
 from torch.testing import FileCheck
 
 import dynamo_ext
-from dynamo_ext.inductor_lowerings import _compat, options, rms_norm_fusion, rms_norm_lowering
+from dynamo_ext import _compat
+from dynamo_ext.inductor_lowerings import options, rms_norm_fusion, rms_norm_lowering
 from dynamo_ext.inductor_lowerings.registry import ChainedGraphPass
 
 

@@ -121,7 +121,7 @@ def extract_dtensor_spec(spec: Any) -> tuple[Any, ...]:
     return (
         extract_device_mesh(spec.mesh),
         tuple(spec.placements),
-        getattr(spec, "shard_order", None),
+        _compat.dtensor_spec_shard_order(spec),
         None if meta is None else meta.dtype,
     )
 

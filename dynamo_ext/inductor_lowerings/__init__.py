@@ -18,8 +18,8 @@ Thresholds and switches live in :mod:`.options` (a torch config module: ``option
 
 from __future__ import annotations
 
+from .. import _compat
 from .._patching import Patcher
-from . import _compat
 
 
 def install(patches: Patcher) -> None:

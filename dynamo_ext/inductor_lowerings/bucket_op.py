@@ -37,8 +37,8 @@ from typing import Any
 
 import torch
 
+from .. import _compat
 from .._patching import Patcher
-from . import _compat
 
 NAMESPACE = "dynamo_ext"
 SCHEMA = (

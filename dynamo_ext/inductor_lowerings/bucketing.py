@@ -72,7 +72,8 @@ import torch
 import torch.fx
 import torch.utils._pytree as pytree
 
-from . import _compat, bucket_op, options
+from .. import _compat
+from . import bucket_op, options
 from .registry import package_sources
 
 aten = torch.ops.aten
@@ -89,11 +90,6 @@ class _Member:
     """Elements of the collective's input."""
     shape: tuple[int, ...]
     """Shape of the collective's result (what the wait's users see)."""
-
-    @property
-    def all_reduce(self) -> torch.fx.Node:
-        """The collective (the name from when only all-reduces were bucketed)."""
-        return self.collective
 
 
 def _val(node: Any) -> Any:
@@ -403,10 +399,6 @@ def bucket_collectives(graph: torch.fx.Graph, *, switchable: bool = False) -> in
     if removed:
         graph.lint()
     return removed
-
-
-bucket_all_reduces = bucket_collectives
-"""The former name (the pass now buckets all-gathers and reduce-scatters too)."""
 
 
 class AllReduceBucketingPass(_compat.custom_graph_pass_base()):  # type: ignore[misc]

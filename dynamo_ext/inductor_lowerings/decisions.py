@@ -17,7 +17,7 @@ import dataclasses
 import logging
 from typing import Any
 
-from . import _compat
+from .. import _compat
 
 ARTIFACT_NAME = "dynamo_ext_fusion"
 _MAX_RECORDS = 4096
@@ -57,8 +57,7 @@ def applied_fusions(*, clear: bool = False) -> list[FusionRecord]:
 
 
 def _compile_id() -> str:
-    current = getattr(_compat.optional_attr("torch._guards", "CompileContext"), "current_compile_id", None)
-    value = current() if current is not None else None
+    value = _compat.current_compile_id()
     return "" if value is None else str(value)
 
 

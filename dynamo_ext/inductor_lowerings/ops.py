@@ -19,8 +19,9 @@ import logging
 
 import torch
 
+from .. import _compat
 from .._patching import Patcher
-from . import _compat, options
+from . import options
 from .kernels.reference import residual_rms_norm_reference
 
 log = logging.getLogger(__name__)
@@ -112,7 +113,7 @@ def _one_shot_cuda(
     """CUDA: the one-shot or two-shot Triton kernel when ``input`` lives in symmetric memory, else the fallback.
 
     Which path runs depends only on what every rank shares (NOTE [symmetric memory
-    route] in _compat.py): the layouts (:func:`kernel_refusal`) and whether the input
+    route] in _compat/symm_mem.py): the layouts (:func:`kernel_refusal`) and whether the input
     is a symmetric-memory allocation, which the compiled graph makes it on every rank
     and an eager call on none.  A rendezvous that then fails raises: falling back on
     this rank alone would leave the others waiting in the kernel's barrier.

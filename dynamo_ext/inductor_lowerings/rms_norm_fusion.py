@@ -39,7 +39,8 @@ from typing import Any
 import torch
 import torch.fx
 
-from . import _compat, decisions, ops, options
+from .. import _compat
+from . import decisions, ops, options
 from .registry import package_sources
 
 log = logging.getLogger(__name__)
@@ -196,7 +197,7 @@ def _match_decomposed(base: dict[str, Any], add: torch.fx.Node, hidden: int, ndi
 
 
 def _match_fused_op(base: dict[str, Any], add: torch.fx.Node, hidden: int, ndim: int) -> ResidualRMSNormMatch | None:
-    fused_op = getattr(aten, "_fused_rms_norm", None)
+    fused_op = _compat.aten_op("_fused_rms_norm")
     if fused_op is None:
         return None
     for node in add.users:
@@ -319,7 +320,7 @@ def one_shot_refusal(match: ResidualRMSNormMatch) -> str | None:
     triton, Inductor comm buffers and symmetric memory in this build, the chain's dtypes.
     Every input is the same on every rank (the graph, the options, the build): no
     local state such as the deprecated symmetric-memory registry (NOTE [symmetric
-    memory route] in _compat.py), so every rank decides alike.
+    memory route] in _compat/symm_mem.py), so every rank decides alike.
     """
     val = _val(match.all_reduce.args[0])
     checks = (

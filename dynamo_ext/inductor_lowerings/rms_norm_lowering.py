@@ -16,7 +16,8 @@ from typing import Any
 
 import torch
 
-from . import _compat, decisions, ops, options
+from .. import _compat
+from . import decisions, ops, options
 from .registry import LoweringRule
 
 log = logging.getLogger(__name__)

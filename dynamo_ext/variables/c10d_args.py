@@ -105,8 +105,7 @@ def barrier_device(group: Any, device_ids: Any) -> torch.device:
     bound = getattr(group, "bound_device_id", None)
     if bound is not None:
         return bound
-    coll_device = _compat.optional_attr("torch.distributed.distributed_c10d", "_get_object_coll_device")
-    if accel_type == "cpu" or coll_device is None or coll_device(group) == "cpu":
+    if accel_type == "cpu" or _compat.object_collective_device(group) in (None, "cpu"):
         return torch.device("cpu")
     return torch.device(accel_type, torch.accelerator.current_device_index())
 

@@ -241,6 +241,6 @@ def register(patches: Patcher) -> None:
     register_polyfill(eager_distribute_tensor, distribute_tensor)
     register_handler(init_device_mesh, _mesh_handler(init_device_mesh))
     register_handler(DeviceMesh, _mesh_handler(DeviceMesh))
-    implicit = _compat.optional_attr("torch.distributed.tensor.experimental", "implicit_replication")
+    implicit = _compat.implicit_replication()
     if implicit is not None:
         register_handler(implicit, lambda tx, args, kwargs: ImplicitReplicationVariable.create(tx))

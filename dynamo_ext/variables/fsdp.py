@@ -136,18 +136,12 @@ def unshard_param(param_group: Any, fsdp_param: Any) -> Any:
         # unsharded parameter is that shard as a DTensor on the TP mesh.
         from torch.distributed.tensor import DTensor
 
-        spec = unsharded_spec(fsdp_param)
+        spec = _compat.fsdp_unsharded_spec(fsdp_param)
         meta = spec.tensor_meta
         full = DTensor.from_local(
             full, spec.mesh, spec.placements, run_check=False, shape=meta.shape, stride=meta.stride
         )
     return full
-
-
-def unsharded_spec(fsdp_param: Any) -> Any:
-    """The ``DTensorSpec`` of an FSDP-over-TP parameter once unsharded (2.12+: ``_unsharded_dtensor_spec``, 2.11: ``_tp_spec``)."""
-    spec = getattr(fsdp_param, "_unsharded_dtensor_spec", None)
-    return spec if spec is not None else fsdp_param._tp_spec
 
 
 def _set_param(fsdp_param: Any, tensor: Any) -> None:
@@ -157,14 +151,6 @@ def _set_param(fsdp_param: Any, tensor: Any) -> None:
     info.module._parameters[info.param_name] = tensor
     for module, name in zip(info.shared_modules, info.shared_param_names):
         module._parameters[name] = tensor
-
-
-def param_groups(state: Any) -> list[Any]:
-    """The state's ``FSDPParamGroup``s: a list from 2.12 on, one optional group on 2.11."""
-    if hasattr(state, "_fsdp_param_groups"):
-        return state._fsdp_param_groups
-    group = state._fsdp_param_group
-    return [] if group is None else [group]
 
 
 def pre_forward(state: Any, module: Any, args: Any, kwargs: Any) -> Any:
@@ -178,7 +164,7 @@ def pre_forward(state: Any, module: Any, args: Any, kwargs: Any) -> Any:
     if ctx.iter_forward_root is None:
         ctx.iter_forward_root = state
     args, kwargs = cast_inputs(state, args, kwargs)
-    for group in param_groups(state):
+    for group in _compat.fsdp_param_groups(state):
         for fsdp_param in group.fsdp_params:
             _set_param(fsdp_param, unshard_param(group, fsdp_param))
     return args, kwargs
@@ -208,7 +194,7 @@ def post_forward(state: Any, module: Any, input: Any, output: Any) -> Any:
 
 def reshard(state: Any) -> None:
     """Set the sharded parameters of every group of ``state`` back on their modules."""
-    for group in param_groups(state):
+    for group in _compat.fsdp_param_groups(state):
         for fsdp_param in group.fsdp_params:
             _set_param(fsdp_param, fsdp_param.sharded_param)
 
@@ -248,7 +234,7 @@ def untraced_reasons(state: Any) -> list[str]:
     """
     ddp_mesh_info = _compat.fsdp_ddp_mesh_info()
     reasons = []
-    for group in param_groups(state):
+    for group in _compat.fsdp_param_groups(state):
         checks = {
             "gradient sync is off (set_requires_gradient_sync(False))": not getattr(group, "reduce_grads", True),
             "HSDP (a replicate mesh axis)": ddp_mesh_info is not None and isinstance(group.mesh_info, ddp_mesh_info),
@@ -277,7 +263,7 @@ def config_record(state: Any) -> tuple[Any, ...]:
     """What the traced hooks of ``state`` depend on beyond its parameters (for its guard)."""
     policy = getattr(state, "_mp_policy", None)
     groups = []
-    for group in param_groups(state):
+    for group in _compat.fsdp_param_groups(state):
         groups.append(
             (
                 len(group.fsdp_params),
@@ -331,7 +317,7 @@ def check_state(tx: Any, args: list[Any], kwargs: dict[str, Any]) -> None:
         if reasons:
             log.info("FSDP2 hooks run eagerly (graph break): %s", "; ".join(reasons))
             graph_breaks.graph_break(graph_breaks.FSDP_UNTRACED, "; ".join(reasons))
-    for group in param_groups(state):
+    for group in _compat.fsdp_param_groups(state):
         for p in group.fsdp_params:
             spmd = getattr(p.mesh_info, "is_spmd_mesh", False)
             # torch 2.11 (one optional param group per state): FSDP over TP
@@ -347,7 +333,7 @@ def check_state(tx: Any, args: list[Any], kwargs: dict[str, Any]) -> None:
 
 def register() -> None:
     """Trace FSDP2's forward hooks when this torch release has FSDP2."""
-    state_cls = _compat.optional_attr("torch.distributed.fsdp._fully_shard._fsdp_state", "FSDPState")
+    state_cls = _compat.fsdp_state_class()
     if state_cls is None:
         return
     register_handler(gather_with_fsdp_backward, _gather_handler)

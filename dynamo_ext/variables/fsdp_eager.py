@@ -70,9 +70,9 @@ def _patch_optimized_module(patches: Patcher, fsdp_module: type) -> None:
 
 def install(patches: Patcher) -> None:
     """Apply both patches when this torch release has FSDP2."""
-    state_cls = _compat.optional_attr("torch.distributed.fsdp._fully_shard._fsdp_state", "FSDPState")
-    group_cls = _compat.optional_attr("torch.distributed.fsdp._fully_shard._fsdp_param_group", "FSDPParamGroup")
-    fsdp_module = _compat.optional_attr("torch.distributed.fsdp", "FSDPModule")
+    state_cls = _compat.fsdp_state_class()
+    group_cls = _compat.fsdp_param_group_class()
+    fsdp_module = _compat.fsdp_module_class()
     if state_cls is None or group_cls is None or fsdp_module is None:
         return
     _patch_optimized_module(patches, fsdp_module)

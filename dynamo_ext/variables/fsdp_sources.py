@@ -49,9 +49,7 @@ def module_path_through_state(name: str) -> str | None:
     state = _STATES.get(m.group("state")) if m else None
     if state is None:
         return None
-    groups = getattr(state, "_fsdp_param_groups", None)
-    if groups is None:
-        groups = [getattr(state, "_fsdp_param_group", None)]
+    groups = _compat.fsdp_param_groups(state)
     try:
         fsdp_param = groups[int(m.group("group") or 0)].fsdp_params[int(m.group("param"))]
     except (IndexError, AttributeError, TypeError):

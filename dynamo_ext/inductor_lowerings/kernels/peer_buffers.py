@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from .. import _compat
+from ... import _compat
 
 SIGNAL_SLOT_BYTES = 4  # one int32 per (program, peer)
 MAX_PROGRAMS = 32

@@ -1,0 +1,85 @@
+"""Compiled autograd and the autograd engine: is a backward running, is it compiled, how it calls hooks."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from typing import Any
+
+import torch
+
+from .dynamo import current_compile_id
+from .probes import optional_attr
+
+
+def in_autograd_backward() -> bool:
+    """Whether an autograd node is running now (``torch._C._current_autograd_node``)."""
+    try:
+        return torch._C._current_autograd_node() is not None
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def compiled_autograd(compiler: Any) -> Any:
+    """Context manager tracing the backward with compiled autograd (``compiled_autograd._enable``).
+
+    Private in 2.11 to 2.15; torchtitan's training loop uses the same entry point.
+    """
+    from torch._dynamo import compiled_autograd as ca
+
+    return ca._enable(compiler)
+
+
+def in_compiled_autograd_region() -> bool:
+    """Whether a compiled-autograd graph is running now (``compiled_autograd.in_compiled_autograd_region``)."""
+    from torch._dynamo import compiled_autograd as ca
+
+    return bool(getattr(ca, "in_compiled_autograd_region", False))
+
+
+def compiled_autograd_enabled() -> bool:
+    """Whether compiled autograd is on while Dynamo traces (``compiled_autograd.compiled_autograd_enabled``)."""
+    from torch._dynamo import compiled_autograd as ca
+
+    return bool(getattr(ca, "compiled_autograd_enabled", False))
+
+
+def compiling_compiled_autograd_graph() -> bool:
+    """Whether Dynamo is compiling a compiled-autograd backward graph now.
+
+    Read from the current compile id's ``compiled_autograd_id`` (set for compiled-autograd graphs on 2.11 to 2.15).
+    """
+    return getattr(current_compile_id(), "compiled_autograd_id", None) is not None
+
+
+def compiled_autograd_hooks(output_graph: Any) -> Any:
+    """The ``hooks`` argument of the compiled-autograd graph whose frame ``output_graph`` traces (its root
+    instruction translator's ``f_locals``); None when there is none."""
+    tx = getattr(output_graph, "root_tx", None)
+    return (getattr(tx, "f_locals", None) or {}).get("hooks")
+
+
+@functools.cache
+def compiled_autograd_accumulate_grad_with_grad_arg() -> Any:
+    """Compiled autograd's ``call_accumulate_grad(variable, grad, has_post_hooks)``, ``None`` where its form differs.
+
+    Compiled autograd's graph calls it for every leaf (``torch/_dynamo/external_utils.py``); on 2.11 and
+    2.12 it runs the C++ functional ``AccumulateGrad`` op; 2.14+ take ``variable_grad`` and return the
+    new ``.grad`` instead.
+    """
+    fn = optional_attr("torch._dynamo.external_utils", "call_accumulate_grad")
+    if fn is None:
+        return None
+    try:
+        params = list(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        return None
+    return fn if params == ["variable", "grad", "has_post_hooks"] else None
+
+
+def tensor_hooks(t: Any) -> tuple[dict[int, Any], dict[int, Any]]:
+    """``(register_hook hooks, register_post_accumulate_grad_hook hooks)`` of tensor ``t``, by handle id.
+
+    ``Tensor._backward_hooks`` / ``Tensor._post_accumulate_grad_hooks`` (2.11 to 2.15; None when empty).
+    """
+    return dict(getattr(t, "_backward_hooks", None) or {}), dict(getattr(t, "_post_accumulate_grad_hooks", None) or {})

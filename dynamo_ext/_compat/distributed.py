@@ -1,0 +1,142 @@
+"""c10d: functional collective ops, process groups by name, the default store, async collective tensors."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+
+from .probes import optional_attr
+
+
+@functools.cache
+def has_functional_op(name: str) -> bool:
+    """Whether ``torch.ops._c10d_functional.<name>`` exists in this build."""
+    try:
+        getattr(torch.ops._c10d_functional, name)
+    except (AttributeError, RuntimeError):
+        return False
+    return True
+
+
+def has_functional_collectives() -> bool:
+    """Whether ``_c10d_functional.all_reduce`` / ``wait_tensor`` exist in this build."""
+    return has_functional_op("all_reduce") and has_functional_op("wait_tensor")
+
+
+def async_collective_tensor_type() -> type | None:
+    """``torch.distributed._functional_collectives.AsyncCollectiveTensor`` (what ``DTensor.to_local()``
+    returns after an ``async_op=True`` redistribute), or ``None`` where absent."""
+    return optional_attr("torch.distributed._functional_collectives", "AsyncCollectiveTensor")
+
+
+def distributed_initialized() -> bool:
+    """Whether ``torch.distributed`` is available and its default group initialized."""
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
+
+
+def global_rank() -> int | None:
+    """This process's rank in the default group, ``None`` when there is none."""
+    import torch.distributed as dist
+
+    return dist.get_rank() if distributed_initialized() else None
+
+
+def _resolve_group(name: str) -> Any:
+    """The live ``ProcessGroup`` named ``name`` (``distributed_c10d._resolve_process_group``), or ``None``."""
+    if not name or not distributed_initialized():
+        return None
+    from torch.distributed import distributed_c10d
+
+    try:
+        return distributed_c10d._resolve_process_group(name)
+    except (RuntimeError, ValueError, KeyError):
+        return None
+
+
+def group_ranks(name: str) -> tuple[int, ...]:
+    """Sorted global ranks of the group named ``name``; ``()`` when no live group has that name."""
+    import torch.distributed as dist
+
+    group = _resolve_group(name)
+    if group is None:
+        return ()
+    try:
+        return tuple(sorted(dist.get_process_group_ranks(group)))
+    except (RuntimeError, ValueError):
+        return ()
+
+
+def group_sequence_number(name: str) -> int | None:
+    """How many collectives the group named ``name`` has issued so far, ``None`` when that cannot be read.
+
+    Feature probe: ``ProcessGroup._get_sequence_number_for_group()`` (gloo and
+    NCCL count every collective issued on the group, eager and
+    ``_c10d_functional`` alike; Flight Recorder reads the same number).
+    """
+    group = _resolve_group(name)
+    read = getattr(group, "_get_sequence_number_for_group", None)
+    if read is None:
+        return None
+    try:
+        return int(read())
+    except (RuntimeError, ValueError, TypeError, NotImplementedError):
+        return None
+
+
+def group_is_fake(name: str) -> bool:
+    """Whether the group named ``name`` runs on the single-process ``fake`` backend (no peer to meet)."""
+    import torch.distributed as dist
+
+    group = _resolve_group(name)
+    if group is None:
+        return False
+    try:
+        return dist.get_backend(group) == "fake"
+    except (AttributeError, RuntimeError, ValueError):
+        return False
+
+
+def process_group_info(group_name: str) -> tuple[int, list[int]]:
+    """(size, global ranks) of the process group registered as ``group_name``; ``(0, [])`` when unknown here."""
+    import torch.distributed as dist
+
+    try:
+        from torch.distributed.distributed_c10d import _resolve_process_group
+
+        pg = _resolve_process_group(group_name)
+        return pg.size(), list(dist.get_process_group_ranks(pg))
+    except Exception:
+        return 0, []
+
+
+def default_store() -> Any:
+    """The default group's c10d store (``distributed_c10d._get_default_store()``), ``None`` without one."""
+    if not distributed_initialized():
+        return None
+    from torch.distributed import distributed_c10d
+
+    try:
+        return distributed_c10d._get_default_store()
+    except (RuntimeError, ValueError):
+        return None
+
+
+def prefix_store(prefix: str, store: Any) -> Any:
+    """``torch.distributed.PrefixStore(prefix, store)`` (public)."""
+    import torch.distributed as dist
+
+    return dist.PrefixStore(prefix, store)
+
+
+def object_collective_device(group: Any) -> str | None:
+    """The device type c10d's object collectives use on ``group``, ``None`` where c10d cannot say.
+
+    ``distributed_c10d._get_object_coll_device(group)`` (present on 2.13, checked here); eager
+    ``dist.barrier`` reads it to pick its device.
+    """
+    fn = optional_attr("torch.distributed.distributed_c10d", "_get_object_coll_device")
+    return None if fn is None else fn(group)

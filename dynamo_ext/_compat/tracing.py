@@ -1,0 +1,146 @@
+"""Fake tensors, symbolic shapes, dispatch modes and op metadata: what ``make_fx`` tracing and graph passes read."""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+import torch
+
+from .probes import optional_attr
+
+
+def symbolic_fake_mode() -> Any:
+    """A ``FakeTensorMode`` with its own ``ShapeEnv`` (symbolic sizes), as AOTAutograd builds one.
+
+    Real tensors the traced code closes over (a mask in a gradient hook) are allowed: ``make_fx`` keeps them
+    as constants of the graph.
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    return FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=True)
+
+
+def fake_tensor(mode: Any, t: Any, *, dynamic_dim: int | None, name: str) -> Any:
+    """``t`` as a fake tensor of ``mode``: every size static except ``dynamic_dim`` (a fresh symbol, hint = its size).
+
+    ``ConstantSource`` names the symbol's origin in guards (Dynamo's ``torch._dynamo.source``).
+    """
+    from torch._dynamo.source import ConstantSource
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, StatelessSymbolicContext
+
+    if dynamic_dim is None:
+        return mode.from_tensor(t, static_shapes=True)
+    sizes = [DimDynamic.DYNAMIC if d == dynamic_dim else DimDynamic.STATIC for d in range(t.ndim)]
+    ctx = StatelessSymbolicContext(dynamic_sizes=sizes)
+    return mode.from_tensor(t, source=ConstantSource(name), symbolic_context=ctx)
+
+
+def no_duck_shapes() -> Any:
+    """Context manager: Dynamo gives every dynamic size its own symbol (``torch.fx.experimental._config``).
+
+    With duck shapes (the default) a batch size equal to a static size (3 samples, 3 channels) shares its
+    symbol, and the guard that pins the channels pins the batch too: a recompile for the next batch size.
+    """
+    from torch.fx.experimental import _config
+
+    return _config.patch(use_duck_shape=False)
+
+
+def no_tracing_context() -> Any:
+    """Context manager: no ``TracingContext`` (``torch._guards.tracing(None)``), so ``detect_fake_mode`` reads the
+    fake mode off the values themselves rather than the context's."""
+    return torch._guards.tracing(None)
+
+
+def has_fake_tensor(args: Any) -> bool:
+    """Whether ``args`` (a call's arguments; lists and tuples one level deep) hold a fake tensor
+    (``torch._subclasses.fake_tensor.FakeTensor``), or a fake mode is active."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    if torch._guards.detect_fake_mode() is not None:
+        return True
+    for a in args:
+        for t in a if isinstance(a, (list, tuple)) else (a,):
+            if isinstance(t, FakeTensor):
+                return True
+    return False
+
+
+def fake_mode_of(values: list[Any]) -> Any:
+    """The fake mode of the active ``TracingContext`` or of fake tensors among ``values``
+    (``torch._guards.detect_fake_mode``); a new ``FakeTensorMode`` when there is none."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    return torch._guards.detect_fake_mode(values) or FakeTensorMode()
+
+
+def detect_fake_mode(values: list[Any]) -> Any:
+    """``torch._guards.detect_fake_mode`` over example values (None when none are fake)."""
+    fn = optional_attr("torch._guards", "detect_fake_mode")
+    return fn(values) if fn is not None else None
+
+
+def to_fake(mode: Any, value: Any) -> Any:
+    """``value`` with each real tensor in it (lists and tuples too) made a fake tensor of ``mode``
+    (``torch._dynamo.utils.to_fake_tensor``, memoized by the mode, as Dynamo made its example values)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    if isinstance(value, list | tuple):
+        return type(value)(to_fake(mode, v) for v in value)
+    if isinstance(value, torch.Tensor) and not isinstance(value, FakeTensor):
+        return importlib.import_module("torch._dynamo.utils").to_fake_tensor(value, mode)
+    return value
+
+
+def is_traceable_subclass(value: Any) -> bool:
+    """Whether ``value`` is a traceable tensor subclass (DTensor, ...): ``torch._subclasses.fake_tensor``-free probe."""
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    return isinstance(value, torch.Tensor) and is_traceable_wrapper_subclass(value)
+
+
+def torch_dispatch_mode_base() -> type:
+    """``torch.utils._python_dispatch.TorchDispatchMode`` (the base of every dispatch mode, 2.11 to 2.15)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    return TorchDispatchMode
+
+
+def reparametrize_module(module: Any, tensors: dict[str, Any]) -> Any:
+    """Context manager swapping ``module``'s parameters and buffers for ``tensors`` (by qualified name).
+
+    ``torch.nn.utils.stateless._reparametrize_module`` (2.11 to 2.15; what ``torch.func.functional_call``
+    uses), with tied weights kept tied.
+    """
+    from torch.nn.utils import stateless
+
+    return stateless._reparametrize_module(module, tensors, tie_weights=True)
+
+
+def op_schema(target: Any) -> Any:
+    """The ``FunctionSchema`` of an ``OpOverload`` graph target (``target._schema``), ``None`` for anything else."""
+    if not isinstance(target, torch._ops.OpOverload):
+        return None
+    return target._schema
+
+
+def aten_op(name: str) -> Any:
+    """``torch.ops.aten.<name>`` (the overload packet), ``None`` where this build lacks the op.
+
+    For ops some builds or releases lack, e.g. ``_fused_rms_norm`` (the fused RMSNorm Inductor keeps
+    undecomposed on some devices).
+    """
+    return getattr(torch.ops.aten, name, None)
+
+
+def is_higher_order_op(target: Any) -> bool:
+    """Whether an FX node's target is a higher-order op (``torch._ops.HigherOrderOperator``)."""
+    hop = getattr(importlib.import_module("torch._ops"), "HigherOrderOperator", None)
+    return hop is not None and isinstance(target, hop)
+
+
+def destroy_library(lib: torch.library.Library) -> None:
+    """Remove every definition and implementation ``lib`` registered (``Library._destroy``)."""
+    lib._destroy()
