@@ -306,9 +306,10 @@ def in_flight() -> list[dict[str, Any]]:
     code's frames (and a resumed function's line, not the collective's).  With
     positions tracked, each group's count of issued collectives tells which of
     the last graph's collectives was entered last: position ``count - 1``.
-    Returned rows (JSON-able): ``group``, ``position`` (of the last collective
-    entered, -1 for none), ``collective`` (its description, ``""`` when it was
-    not one of the graph's, e.g. an eager collective after it), ``source``
+    Returned rows (JSON-able): ``group``, ``position`` (the stream position of
+    the last compiled collective entered, -1 for none; eager collectives take
+    none), ``collective`` (its description, ``""`` when the last collective
+    entered was not one of the graph's, e.g. an eager one after it), ``source``
     (its line), ``in_graph`` (whether that collective is one of the last
     graph's: a rank whose stack is inside the graph waits in it).  Safe to call
     from another thread.
@@ -324,7 +325,8 @@ def in_flight() -> list[dict[str, Any]]:
         rows.append(
             {
                 "group": group,
-                "position": start + k - 1,
+                # eager collectives after the graph take no stream position: the graph's last one stays the last
+                "position": start + min(max(k, 0), len(plan.records)) - 1,
                 "collective": c.describe() if c is not None else "",
                 "source": c.source if c is not None else "",
                 "in_graph": inside,
