@@ -10,7 +10,7 @@ import time
 import pytest
 import torch.distributed as dist
 
-from dynamo_ext.collective_check import Collective, CollectiveMismatchError
+from dynamo_ext.collective_check import Collective, CollectiveMismatchError, exchange
 from dynamo_ext.collective_check.exchange import GroupRun, agree, exchange_store, write_entries
 from dynamo_ext.collective_check.responder import History, Responder, ask
 from dynamo_ext.collective_check.stream import GroupPlan
