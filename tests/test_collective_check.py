@@ -14,7 +14,7 @@ import torch.fx
 
 import dynamo_ext
 from dynamo_ext import collective_check, config
-from dynamo_ext.collective_check import Collective, collectives, first_difference, same_collective
+from dynamo_ext.collective_check import CollectiveSignature, collectives, first_difference, same_collective
 
 c10d = torch.ops._c10d_functional
 
@@ -54,13 +54,13 @@ def test_fingerprint_lists_collectives_only_in_order(world):
     ]
     assert records[0].group == "0" and records[0].ranks == (0, 1, 2, 3)
     assert records[1].source == "/home/me/train.py:12: out = all_to_all(y)"  # the user's frame, not torch's
-    assert records[1].describe() == "forward all_to_all_single(bfloat16[*, 2]) on group '0' (ranks 0-3)"
+    assert records[1].describe() == "forward all_to_all_single(bfloat16[*, 2]) on group '0' (ranks 0\u20133)"
 
 
-def _c(group="g", ranks=(0, 1), **kw) -> Collective:
+def _c(group="g", ranks=(0, 1), **kw) -> CollectiveSignature:
     base = dict(op="_c10d_functional.all_reduce", reduce_op="sum", tensors=("float32[4]",), args=(), phase="forward")
     base.update(kw)
-    return Collective(group=group, ranks=ranks, **base)
+    return CollectiveSignature(group=group, ranks=ranks, **base)
 
 
 def test_groups_compare_by_name_when_shared_and_by_rank_pattern_otherwise():
@@ -76,7 +76,7 @@ def test_groups_compare_by_name_when_shared_and_by_rank_pattern_otherwise():
     assert first_difference([tp0, tp0], [tp0], 0, 1) == 1
     assert first_difference([tp0], [tp0], 0, 1) is None
     assert first_difference([tp0], [_c("tp0", (0, 1), tensors=("float64[4]",))], 0, 1) == 0
-    assert Collective.from_json(tp0.to_json()) == tp0
+    assert CollectiveSignature.from_json(tp0.to_json()) == tp0
 
 
 def test_hook_checks_forward_and_backward_where_their_context_is_new(world, monkeypatch):

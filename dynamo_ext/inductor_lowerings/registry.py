@@ -175,8 +175,11 @@ def append_post_grad_passes(
 # So every pass hashes every Python file of this package, kernels included.
 @functools.cache
 def package_sources() -> tuple[str, ...]:
-    """Paths of every ``.py`` file under ``dynamo_ext/inductor_lowerings`` (sorted), for the passes' ``uuid()``."""
+    """Paths of every ``.py`` file the passes run (sorted), for their ``uuid()``: ``dynamo_ext/inductor_lowerings``,
+    the FX readers they use (``dynamo_ext/fx``) and ``dynamo_ext/node_origin.py``."""
     import pathlib
 
     root = pathlib.Path(__file__).resolve().parent
-    return tuple(sorted(str(p) for p in root.rglob("*.py")))
+    pkg = root.parent
+    files = [*root.rglob("*.py"), *(pkg / "fx").rglob("*.py"), pkg / "node_origin.py"]
+    return tuple(sorted(str(p) for p in files))
