@@ -8,8 +8,8 @@ communication report (``audit/comm.py``) and the audit's per-compile collective
 sequence (``audit/collector.py``).  So a node the check compares is the node
 the report lists and the pass merges, with the same group and the same user line.
 
-A *collective* is a ``call_function`` node calling an op of the c10d
-namespaces (:data:`NAMESPACES`) that is not a wait (:data:`WAITS`).  Point-to-
+A *collective* is a ``call_function`` node calling an op (an overload, or
+the packet Dynamo's graphs call) of the c10d namespaces (:data:`NAMESPACES`) that is not a wait (:data:`WAITS`).  Point-to-
 point ops (:data:`POINT_TO_POINT`) are collectives here; readers that compare
 ranks leave them out (their peers differ per rank by design).  Its arguments
 are bound to the op's schema, so readers find them by name whatever the
@@ -79,9 +79,20 @@ _LEGACY_GROUP_ARG = "tag"
 _REDUCE_ARGS = frozenset({"reduce_op", "reduceOp", "op"})
 
 
+def _schema(node: torch.fx.Node) -> Any:
+    """The schema of the op ``node`` calls: an overload's (AOTAutograd's and Inductor's graphs), or a packet's
+    ``default`` overload's (Dynamo's graphs call ``torch.ops._c10d_functional.all_reduce``); ``None`` otherwise."""
+    if node.op != "call_function":
+        return None
+    schema = _compat.op_schema(node.target)
+    if schema is None:
+        schema = _compat.op_schema(getattr(node.target, "default", None))
+    return schema
+
+
 def _op_name(node: torch.fx.Node) -> tuple[str, str] | None:
     """``(namespace, name)`` of the c10d op ``node`` calls, ``None`` for any other node."""
-    schema = _compat.op_schema(node.target) if node.op == "call_function" else None
+    schema = _schema(node)
     if schema is None:
         return None
     namespace, _, name = schema.name.partition("::")
@@ -188,8 +199,7 @@ def read(node: torch.fx.Node) -> FxCollective | None:
     found = _op_name(node)
     if found is None or found[1] in WAITS:
         return None
-    schema = _compat.op_schema(node.target)
-    bound: dict[str, Any] = dict(zip((a.name for a in schema.arguments), node.args))
+    bound: dict[str, Any] = dict(zip((a.name for a in _schema(node).arguments), node.args))
     bound.update(node.kwargs)
     return FxCollective(node, found[0], found[1], bound, _group(bound), _reduce_op(bound))
 
