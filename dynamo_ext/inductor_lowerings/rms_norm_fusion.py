@@ -254,7 +254,7 @@ def should_fuse_residual_rms_norm(match: ResidualRMSNormMatch, pos: dict[torch.f
 
 
 def _one_shot_dtypes_supported(match: ResidualRMSNormMatch) -> bool:
-    from .kernels.one_shot_all_reduce_rms_norm import output_dtypes
+    from .kernels.fused_all_reduce_launch import output_dtypes
 
     weight = example_value(match.weight)
     try:
