@@ -84,7 +84,10 @@ class CollectiveSignature:
         return os.path.basename(head)
 
     def describe(self) -> str:
-        """One line for error messages: ``all_reduce(float32[4, 4], sum) on group '0' (ranks 0-3)``."""
+        """One line for error messages: ``all_reduce(float32[4, 4], sum) on group '0' (ranks 0–3)``.
+
+        Ranks as every message and report writes them (:func:`dynamo_ext.rank_ranges.format_ranks`).
+        """
         inner = ", ".join((*self.tensors, *([self.reduce_op] if self.reduce_op else []), *self.args))
         return (
             f"{self.phase} {self.op.split('.')[-1]}({inner}) on group {self.group!r} (ranks {format_ranks(self.ranks)})"
