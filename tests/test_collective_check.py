@@ -11,26 +11,13 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 import torch.distributed.nn.functional as dist_nn
 import torch.fx
+from helpers import fake_graph
 
 import dynamo_ext
 from dynamo_ext import collective_check, config
 from dynamo_ext.collective_check import CollectiveSignature, collectives, first_difference, same_collective
 
 c10d = torch.ops._c10d_functional
-
-
-def _graph(build) -> torch.fx.GraphModule:
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
-
-    g = torch.fx.Graph()
-    shapes = build(g)
-    gm = torch.fx.GraphModule(torch.nn.Module(), g)
-    mode = FakeTensorMode()
-    with mode:
-        fake = [torch.empty(s, dtype=d) for s, d in shapes]
-    FakeTensorProp(gm, mode).propagate(*fake)
-    return gm
 
 
 def test_fingerprint_lists_collectives_only_in_order(world):
@@ -47,7 +34,7 @@ def test_fingerprint_lists_collectives_only_in_order(world):
         g.output((w, g.call_function(c10d.wait_tensor.default, (b,)), s))
         return [((4, 3), torch.float32), ((5, 2), torch.bfloat16)]
 
-    records = collectives(_graph(build), "forward")
+    records = collectives(fake_graph(build), "forward")
     assert [(c.op, c.reduce_op, c.tensors, c.args) for c in records] == [
         ("_c10d_functional.all_reduce", "avg", ("float32[4, 3]",), ()),
         ("_c10d_functional.all_to_all_single", "", ("bfloat16[*, 2]",), ()),  # splits and dim 0 differ per rank

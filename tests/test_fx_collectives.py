@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 import torch.fx
-from helpers import CountingBackend
+from helpers import CountingBackend, fake_graph
 
 from dynamo_ext.fx import collectives as fx_collectives
 from dynamo_ext.rank_ranges import format_ranks
@@ -17,20 +17,6 @@ _USER_STACK = (
     '  File "/site-packages/torch/x.py", line 3, in f\n    inner()\n'
     '  File "/home/me/train.py", line 12, in step\n    out = reduce(x)\n'
 )
-
-
-def _graph(build) -> torch.fx.GraphModule:
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
-
-    g = torch.fx.Graph()
-    shapes = build(g)
-    gm = torch.fx.GraphModule(torch.nn.Module(), g)
-    mode = FakeTensorMode()
-    with mode:
-        fake = [torch.empty(s, dtype=d) for s, d in shapes]
-    FakeTensorProp(gm, mode).propagate(*fake)
-    return gm
 
 
 def _build(g: torch.fx.Graph) -> list:
@@ -46,7 +32,7 @@ def _build(g: torch.fx.Graph) -> list:
 
 
 def test_reader_answers_op_group_bytes_waits_and_line(world):
-    gm = _graph(_build)
+    gm = fake_graph(_build)
     found = list(fx_collectives.iter_collectives(gm))
     assert [(c.op, c.kind, c.group, c.reduce_op, c.point_to_point) for c in found] == [
         ("_c10d_functional.all_reduce", "all_reduce", "0", "avg", False),
@@ -70,7 +56,7 @@ def test_reader_answers_op_group_bytes_waits_and_line(world):
 
 def test_names_read_from_a_graph_equal_those_read_from_its_text(world):
     """The audit reads the graph when one is logged and its text otherwise: both give the same sequence."""
-    gm = _graph(_build)
+    gm = fake_graph(_build)
     text = gm.print_readable(False)
     assert fx_collectives.collective_names(gm) == ["all_reduce", "reduce_scatter_tensor", "isend"]
     assert fx_collectives.names_in_text(text) == fx_collectives.collective_names(gm)
@@ -100,7 +86,7 @@ def test_collectives_inside_higher_order_op_subgraphs_are_read_where_called(worl
     if wrap is None:
         pytest.skip("no torch.ops.higher_order.wrap in this torch")
     root = torch.nn.Module()
-    root.body = _graph(build)
+    root.body = fake_graph(build)
     g = torch.fx.Graph()
     g.output(g.call_function(wrap, (g.get_attr("body"), g.placeholder("x"))))
     outer = torch.fx.GraphModule(root, g)
