@@ -218,7 +218,9 @@ class _Check:
             theirs = CollectiveSignature.from_json(
                 json.loads(self.store.get(self._entry_key(gkey, position, peer)))["c"]
             )
-            mine = ", ".join(f"group {r.group!r} position {r.start}" for r in self.runs)
+            mine = ", ".join(
+                f"position {r.start} of group {r.group!r} (ranks {format_ranks(r.ranks)})" for r in self.runs
+            )
             return (
                 f"the stream differs between rank {self.rank} and rank {peer}: "
                 f"rank {peer} waits for rank {self.rank} at position {position} of group {group!r} "
