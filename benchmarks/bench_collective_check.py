@@ -152,7 +152,7 @@ def _report(rows, a):
 
 def _wrapper_cost(n: int = 200_000) -> None:
     """Per call, the stream check's wrapper on a graph whose context was checked (NOTE [when the stream is checked])."""
-    from dynamo_ext.collective_check import Collective, stream
+    from dynamo_ext.collective_check import CollectiveSignature, stream
 
     def compiled(x):
         return x
@@ -162,7 +162,7 @@ def _wrapper_cost(n: int = 200_000) -> None:
             stream.GroupPlan(
                 str(g),
                 (0, 1),
-                (Collective("_c10d_functional.all_reduce", str(g), (0, 1), "sum", (), (), "forward"),),
+                (CollectiveSignature("_c10d_functional.all_reduce", str(g), (0, 1), "sum", (), (), "forward"),),
                 "d",
             )
             for g in range(groups)
@@ -170,6 +170,7 @@ def _wrapper_cost(n: int = 200_000) -> None:
         wrapped = stream.checked(compiled, plans)
         stream._state.seen[(None, "d")] = stream._state.seen[("d", "d")] = True  # as after those two checks
         wrapped(0)
+
         # CPU time of this process, not wall time: on a shared machine the wall clock also counts other processes.
         def best(f):
             return min(timeit.repeat("f(0)", number=n, repeat=7, globals={"f": f}, timer=time.process_time)) / n

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.fx
 
 
 # ---- single process: the fake process group ---------------------------------
@@ -30,6 +31,22 @@ def fake_world(world_size: int = 4, rank: int = 0) -> Iterator[None]:
         yield
     finally:
         dist.destroy_process_group()
+
+
+def fake_graph(build: Callable[[torch.fx.Graph], list[tuple[tuple[int, ...], torch.dtype]]]) -> torch.fx.GraphModule:
+    """A hand-built graph with ``meta["val"]`` on every node: ``build(graph)`` adds the nodes and returns the
+    placeholders' ``(shape, dtype)``; fake tensors of those are propagated through it."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+    g = torch.fx.Graph()
+    shapes = build(g)
+    gm = torch.fx.GraphModule(torch.nn.Module(), g)
+    mode = FakeTensorMode()
+    with mode:
+        fake = [torch.empty(s, dtype=d) for s, d in shapes]
+    FakeTensorProp(gm, mode).propagate(*fake)
+    return gm
 
 
 def normalize_gm(text: str) -> str:

@@ -11,26 +11,13 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 import torch.distributed.nn.functional as dist_nn
 import torch.fx
+from helpers import fake_graph
 
 import dynamo_ext
 from dynamo_ext import collective_check, config
-from dynamo_ext.collective_check import Collective, collectives, first_difference, same_collective
+from dynamo_ext.collective_check import CollectiveSignature, collectives, first_difference, same_collective
 
 c10d = torch.ops._c10d_functional
-
-
-def _graph(build) -> torch.fx.GraphModule:
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
-
-    g = torch.fx.Graph()
-    shapes = build(g)
-    gm = torch.fx.GraphModule(torch.nn.Module(), g)
-    mode = FakeTensorMode()
-    with mode:
-        fake = [torch.empty(s, dtype=d) for s, d in shapes]
-    FakeTensorProp(gm, mode).propagate(*fake)
-    return gm
 
 
 def test_fingerprint_lists_collectives_only_in_order(world):
@@ -47,20 +34,20 @@ def test_fingerprint_lists_collectives_only_in_order(world):
         g.output((w, g.call_function(c10d.wait_tensor.default, (b,)), s))
         return [((4, 3), torch.float32), ((5, 2), torch.bfloat16)]
 
-    records = collectives(_graph(build), "forward")
+    records = collectives(fake_graph(build), "forward")
     assert [(c.op, c.reduce_op, c.tensors, c.args) for c in records] == [
         ("_c10d_functional.all_reduce", "avg", ("float32[4, 3]",), ()),
         ("_c10d_functional.all_to_all_single", "", ("bfloat16[*, 2]",), ()),  # splits and dim 0 differ per rank
     ]
     assert records[0].group == "0" and records[0].ranks == (0, 1, 2, 3)
     assert records[1].source == "/home/me/train.py:12: out = all_to_all(y)"  # the user's frame, not torch's
-    assert records[1].describe() == "forward all_to_all_single(bfloat16[*, 2]) on group '0' (ranks 0-3)"
+    assert records[1].describe() == "forward all_to_all_single(bfloat16[*, 2]) on group '0' (ranks 0\u20133)"
 
 
-def _c(group="g", ranks=(0, 1), **kw) -> Collective:
+def _c(group="g", ranks=(0, 1), **kw) -> CollectiveSignature:
     base = dict(op="_c10d_functional.all_reduce", reduce_op="sum", tensors=("float32[4]",), args=(), phase="forward")
     base.update(kw)
-    return Collective(group=group, ranks=ranks, **base)
+    return CollectiveSignature(group=group, ranks=ranks, **base)
 
 
 def test_groups_compare_by_name_when_shared_and_by_rank_pattern_otherwise():
@@ -76,7 +63,7 @@ def test_groups_compare_by_name_when_shared_and_by_rank_pattern_otherwise():
     assert first_difference([tp0, tp0], [tp0], 0, 1) == 1
     assert first_difference([tp0], [tp0], 0, 1) is None
     assert first_difference([tp0], [_c("tp0", (0, 1), tensors=("float64[4]",))], 0, 1) == 0
-    assert Collective.from_json(tp0.to_json()) == tp0
+    assert CollectiveSignature.from_json(tp0.to_json()) == tp0
 
 
 def test_hook_checks_forward_and_backward_where_their_context_is_new(world, monkeypatch):

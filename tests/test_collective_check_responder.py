@@ -10,14 +10,14 @@ import time
 import pytest
 import torch.distributed as dist
 
-from dynamo_ext.collective_check import Collective, CollectiveMismatchError, exchange
+from dynamo_ext.collective_check import CollectiveMismatchError, CollectiveSignature, exchange
 from dynamo_ext.collective_check.exchange import GroupRun, agree, exchange_store, write_entries
 from dynamo_ext.collective_check.responder import History, Responder, ask
 from dynamo_ext.collective_check.stream import GroupPlan
 
 
-def _c(line: int) -> Collective:
-    return Collective(
+def _c(line: int) -> CollectiveSignature:
+    return CollectiveSignature(
         op="_c10d_functional.all_reduce",
         group="0",
         ranks=(0, 1),

@@ -94,7 +94,7 @@ def test_grid_comes_from_agreed_sizes_never_the_local_device():
 
 
 def test_launch_config_chunks_long_rows_and_promises_alignment_only_when_true(tmp_path):
-    from dynamo_ext.inductor_lowerings.kernels.one_shot_all_reduce_rms_norm import launch_config
+    from dynamo_ext.inductor_lowerings.kernels.fused_all_reduce_launch import launch_config
     from dynamo_ext.inductor_lowerings.kernels.peer_buffers import PeerBuffers, create_host_shared
 
     create_host_shared(str(tmp_path), world_size=3, buffer_nbytes=1 << 16, max_blocks=2)

@@ -463,12 +463,26 @@ def test_pass_uuids_cover_every_lowering_and_kernel_file(monkeypatch):
     """NOTE [pass identity covers the lowerings]: Inductor's cache key changes when a lowering or kernel does."""
     import os
 
+    from dynamo_ext import node_origin
     from dynamo_ext._compat import inductor, symm_mem
-    from dynamo_ext.inductor_lowerings import bucketing, registry, rms_norm_fusion, rms_norm_lowering
+    from dynamo_ext.fx import collectives, nodes
+    from dynamo_ext.inductor_lowerings import bucketing, graph_edit, registry, rms_norm_fusion, rms_norm_lowering
     from dynamo_ext.inductor_lowerings.kernels import one_shot_all_reduce_rms_norm
 
     files = registry.package_sources()
-    for module in (rms_norm_lowering, one_shot_all_reduce_rms_norm, bucketing, rms_norm_fusion, inductor, symm_mem):
+    # The compatibility modules, FX reader and helpers the passes run are part of their identity too.
+    for module in (
+        rms_norm_lowering,
+        one_shot_all_reduce_rms_norm,
+        bucketing,
+        rms_norm_fusion,
+        inductor,
+        symm_mem,
+        graph_edit,
+        collectives,
+        nodes,
+        node_origin,
+    ):
         assert os.path.realpath(module.__file__) in files
     hashed = []
     real = _compat.hash_for_files

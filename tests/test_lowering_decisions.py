@@ -245,7 +245,9 @@ def test_run_time_path_depends_only_on_shared_facts(world, monkeypatch):
     x, residual = torch.randn(4, 16), torch.randn(4, 16)
     group = dist.group.WORLD.group_name
     args = (None, 1e-6, None, None, None, group)
-    assert ops.kernel_refusal(x.t().contiguous().t(), residual, None) == "a non-contiguous input or residual"
+    assert ops.kernel_refusal(x.t().contiguous().t(), residual, None) == (
+        "input (4, 16) and residual (4, 16) must have one shape and be contiguous"
+    )
     assert "float32" in ops.kernel_refusal(x.bfloat16(), residual.bfloat16(), None, None, None, None)
     # non-contiguous: the fallback, never check_arguments' ValueError
     got = ops._one_shot_cuda(x.t().contiguous().t(), residual, *args)

@@ -13,7 +13,9 @@ reads, through one ``logging.Handler`` on the ``torch.__trace`` logger:
   which the counter does not count but the audit does.  Skips are only logged
   while the ``graph_breaks`` artifact logger is enabled, so :meth:`start`
   raises its level.
-- ``dynamo_output_graph`` / ``aot_*_graph``: the graph text, for collectives.
+- ``dynamo_output_graph`` / ``aot_*_graph``: the graphs, for collectives (read from
+  the ``GraphModule`` being logged, NOTE [one collective reader]; from the text
+  when only the text is there: a ``TORCH_TRACE`` log, an AOT cache hit).
 - ``artifact dynamo_ext_fusion``: one per fusion dynamo-ext's Inductor passes
   applied, keyed by the compile id like every artifact; the merge attaches it
   to the graph of that compile.
@@ -40,6 +42,7 @@ from typing import Any
 import torch
 
 from .. import _compat
+from ..fx import collectives as fx_collectives
 from .comm import CommTracer
 from .identity import is_distributed_cause, normalize_path, user_frame_index
 
@@ -47,8 +50,6 @@ TRACE_LOGGER = "torch.__trace"
 GRAPH_BREAK_LOGGERS = ("torch._dynamo.convert_frame.__graph_breaks", "torch._dynamo.symbolic_convert.__graph_breaks")
 _SKIP_PREFIX = "Graph break: torch.compile cannot properly resume"
 _RESUME = re.compile(r"^torch_dynamo_resume_in_(.+)_at_\d+$")
-_COLLECTIVE = re.compile(r"(?:_c10d_functional(?:_autograd)?|c10d_functional|torch\.distributed\.\w+)\.(\w+)")
-_NOT_COLLECTIVES = {"wait_tensor", "default", "wait", "get_rank", "get_world_size"}
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 # dynamo_ext.inductor_lowerings.decisions.ARTIFACT_NAME, by name: the audit imports nothing of the lowerings.
 FUSION_ARTIFACT = "dynamo_ext_fusion"
@@ -82,25 +83,34 @@ def parse_message(msg: str) -> tuple[str, str, tuple[str, ...], str]:
     )
 
 
-def collectives_in(graph_text: str | None) -> dict[str, int]:
-    """Collective op names and counts in a printed FX graph."""
+def collectives_in(graph: str | list[str] | None) -> dict[str, int]:
+    """Collective op names and counts of a graph: its sequence (:func:`collective_sequence`) counted."""
     out: dict[str, int] = {}
-    for name in collective_sequence(graph_text):
+    for name in collective_sequence(graph):
         out[name] = out.get(name, 0) + 1
     return out
 
 
-def collective_sequence(graph_text: str | None) -> list[str]:
-    """Collective op names in the order a printed FX graph issues them (what ranks must agree on).
+def collective_sequence(graph: str | list[str] | None) -> list[str]:
+    """Collective op names in the order a graph issues them (what ranks must agree on).
 
-    Only node lines count: the ``# File: ..., code: ...`` comments FX prints
-    above them quote the user's source, which names the collective again.
+    ``graph``: the names already read from the ``GraphModule``
+    (:func:`dynamo_ext.fx.collectives.collective_names`), or a printed FX graph,
+    read by :func:`dynamo_ext.fx.collectives.names_in_text`.
     """
-    out = []
-    for line in (graph_text or "").splitlines():
-        if "=" in line and not line.lstrip().startswith("#"):
-            out += [n for n in _COLLECTIVE.findall(line.split("=", 1)[1]) if n not in _NOT_COLLECTIVES]
-    return out
+    if isinstance(graph, list):
+        return list(graph)
+    return fx_collectives.names_in_text(graph)
+
+
+def _graph_collectives(gm: Any, text: str) -> list[str]:
+    """The collective sequence of a logged graph: from its ``GraphModule`` when there is one, else its text."""
+    if isinstance(gm, torch.fx.GraphModule):
+        try:
+            return fx_collectives.collective_names(gm)
+        except Exception:  # a graph the reader cannot read: its text still names the collectives
+            logging.getLogger(__name__).warning("collectives read from the graph's text", exc_info=True)
+    return fx_collectives.names_in_text(text)
 
 
 def _frames(summaries: Any) -> list[list[Any]]:
@@ -157,7 +167,7 @@ class Collector(logging.Handler):
         self.root = root
         self.events: list[dict[str, Any]] = []
         self._sink = sink
-        self._graphs: dict[str, dict[str, str]] = {}
+        self._graphs: dict[str, dict[str, list[str]]] = {}
         self._compiled: set[str] = set()  # compile ids whose compile event was recorded (and not reused since)
         self._lock_events = threading.Lock()
         self._saved_levels: list[tuple[logging.Logger, int]] = []
@@ -218,26 +228,31 @@ class Collector(logging.Handler):
             elif name == "artifact" and md["artifact"].get("name") == FUSION_ARTIFACT:
                 self._on_fusion(md, getattr(record, "payload", "") or "")
             elif name == "dynamo_output_graph":
-                self._graphs.setdefault(_compile_key(md), {})["dynamo"] = getattr(record, "payload", "") or ""
+                gm, aot_id = _compat.graph_module_being_logged(name)
+                text = getattr(record, "payload", "") or ""
+                self._graphs.setdefault(_compile_key(md), {})["dynamo"] = _graph_collectives(gm, text)
                 self._compiled.discard(_compile_key(md))  # ids repeat after torch._dynamo.reset()
-                self._on_graph_module(name, md, "")
+                self._on_graph_module(name, md, gm, aot_id, "")
             elif name in ("aot_forward_graph", "aot_inference_graph", "aot_backward_graph"):
+                gm, aot_id = _compat.graph_module_being_logged(name)
+                text = getattr(record, "payload", "") or ""
                 side = "backward" if name == "aot_backward_graph" else "forward"
-                self._graphs.setdefault(_compile_key(md), {})[side] = getattr(record, "payload", "") or ""
-                self._on_graph_module(name, md, getattr(record, "payload", "") or "")
+                self._graphs.setdefault(_compile_key(md), {})[side] = _graph_collectives(gm, text)
+                self._on_graph_module(name, md, gm, aot_id, text)
             elif name == "compilation_metrics":
                 self._on_metrics(md["compilation_metrics"])
         except Exception as e:  # never break the user's compile
             self.record({"ev": "internal", "message": f"audit collector failed on {name}: {type(e).__name__}: {e}"})
 
     # ---- events ---------------------------------------------------------------
-    def _on_graph_module(self, name: str, md: dict[str, Any], text: str) -> None:
+    def _on_graph_module(self, name: str, md: dict[str, Any], gm: Any, aot_id: int | None, text: str) -> None:
         """The communication report's hook (NOTE [communication report] in :mod:`.comm`).
 
-        A failure of the analysis is a ``comm_graph`` event with ``missing`` set
-        (the report says it is incomplete), not an audit error.
+        ``gm``, ``aot_id``: what ``_compat.graph_module_being_logged(name)`` found
+        (``None`` when only ``text`` was logged).  A failure of the analysis is a
+        ``comm_graph`` event with ``missing`` set (the report says it is
+        incomplete), not an audit error.
         """
-        gm, aot_id = _compat.graph_module_being_logged(name)
         try:
             event = self.comm.on_graph(name, _compile_key(md), gm, aot_id, text)
         except Exception as e:
@@ -332,6 +347,8 @@ class Collector(logging.Handler):
         if str(m.get("fail_reason") or "").startswith(RECOMPILE_LIMIT_GB_TYPE):
             self._on_recompile_limit(m, cid)
         has_graph = "dynamo" in graphs or bool(m.get("graph_op_count"))
+        # AOTAutograd's forward (or inference) graph is what runs; Dynamo's graph when there is none (backend="eager").
+        forward = graphs["forward"] if "forward" in graphs else graphs.get("dynamo")
         self.record(
             {
                 "ev": "compile",
@@ -342,9 +359,9 @@ class Collector(logging.Handler):
                 "line": int(m.get("co_firstlineno") or 0),
                 "op_count": int(m.get("graph_op_count") or 0),
                 "has_graph": has_graph,
-                "collectives": collectives_in(graphs.get("forward") or graphs.get("dynamo")),
+                "collectives": collectives_in(forward),
                 "backward_collectives": collectives_in(graphs.get("backward")),
-                "collective_sequence": collective_sequence(graphs.get("forward") or graphs.get("dynamo")),
+                "collective_sequence": collective_sequence(forward),
                 "backward_collective_sequence": collective_sequence(graphs.get("backward")),
                 "time_s": float(m.get("entire_frame_compile_time_s") or 0.0),
                 "recompile_reason": m.get("recompile_reason"),

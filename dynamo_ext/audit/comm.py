@@ -52,7 +52,10 @@ from typing import Any
 import torch
 
 from .. import _compat
-from ..node_origin import group_name, stack_frames, user_frame
+from ..fx import collectives as fx_collectives
+from ..fx.collectives import TRAFFIC, FxCollective, tensor_dtype, tensor_shape
+from ..fx.nodes import example_value, tensor_bytes
+from ..node_origin import stack_frames, user_frame
 from ..variables import fsdp_sources
 from .identity import normalize_path
 
@@ -60,41 +63,16 @@ log = logging.getLogger(__name__)
 
 _PKG_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 _INLINED = re.compile(r"^aot(\d+)_")
-_TEXT_COLLECTIVE = re.compile(r"_c10d_functional\.(?!wait_tensor)\w+")
 _ROOT_KEY = re.compile(r"^L\['[^']*'\]\.?")
 # Dynamo spells a submodule it reached through ``__getattr__``'s dict lookup as ``.__dict__['_modules']['name']``.
 _MODULES_DICT = re.compile(r"\.?__dict__\['_modules'\]\['([^']*)'\]")
 # torch's checkpoint_wrapper holds the wrapped module under this name; its state_dict FQNs drop it, and so do we.
 _CHECKPOINT_WRAPPED = "._checkpoint_wrapped_module"
 
-# Functional collective (op name without overload) -> traffic kind.
-TRAFFIC = {
-    "all_gather_into_tensor": "all_gather",
-    "all_gather_into_tensor_out": "all_gather",
-    "all_gather_into_tensor_coalesced": "all_gather",
-    "reduce_scatter_tensor": "reduce_scatter",
-    "reduce_scatter_tensor_out": "reduce_scatter",
-    "reduce_scatter_tensor_coalesced": "reduce_scatter",
-    "all_reduce": "all_reduce",
-    "all_reduce_coalesced": "all_reduce",
-    "all_to_all_single": "all_to_all",
-    "broadcast": "broadcast",
-    "isend": "p2p",
-    "irecv": "p2p",
-    "batch_p2p_ops": "p2p",
-}
+# TRAFFIC (functional collective -> traffic kind) lives with the reader; the merge reads it from here.
+__all__ = ["TRAFFIC", "CommTracer", "module_path", "origin", "p2p_bytes", "traffic_bytes"]
 INTRA_BW_ENV = "DYNAMO_EXT_AUDIT_INTRA_NODE_BW"
 INTER_BW_ENV = "DYNAMO_EXT_AUDIT_INTER_NODE_BW"
-
-
-def collective_name(node: torch.fx.Node) -> str | None:
-    """The functional collective ``node`` calls (``"all_reduce"``), or ``None`` for anything else (waits too)."""
-    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
-        return None
-    if node.target.namespace not in ("_c10d_functional", "c10d_functional", "_c10d_functional_autograd"):
-        return None
-    name = node.target._opname
-    return name if name in TRAFFIC else None
 
 
 def traffic_bytes(kind: str, bytes_in: int, group_size: int) -> tuple[int, int]:
@@ -113,53 +91,15 @@ def traffic_bytes(kind: str, bytes_in: int, group_size: int) -> tuple[int, int]:
     return b, b
 
 
-def _bytes(val: Any) -> int:
-    if isinstance(val, torch.Tensor):
-        return val.numel() * val.element_size()
-    if isinstance(val, (list, tuple)):
-        return sum(_bytes(v) for v in val)
-    return 0
-
-
-def _shape(val: Any) -> list[Any]:
-    if isinstance(val, torch.Tensor):
-        return [int(s) if isinstance(s, int) else str(s) for s in val.shape]
-    if isinstance(val, (list, tuple)):
-        return [_shape(v) for v in val]
-    return []
-
-
-def _dtype(val: Any) -> str:
-    if isinstance(val, torch.Tensor):
-        return str(val.dtype).replace("torch.", "")
-    if isinstance(val, (list, tuple)) and val:
-        return _dtype(val[0])
-    return ""
-
-
-def _node_val(n: Any) -> Any:
-    if isinstance(n, torch.fx.Node):
-        return n.meta.get("val", n.meta.get("example_value"))
-    if isinstance(n, (list, tuple)):
-        return [_node_val(x) for x in n]
-    return None
-
-
-def _group_name(node: torch.fx.Node) -> str:
-    """The ``group_name`` argument (a name, or a process-group object): every functional collective takes it last."""
-    return group_name(node.kwargs.get("group_name", node.args[-1] if node.args else None))
-
-
-def p2p_bytes(node: torch.fx.Node) -> tuple[int, int]:
+def p2p_bytes(coll: FxCollective) -> tuple[int, int]:
     """(sent, received) bytes of a point-to-point op: ``isend``, ``irecv``, ``batch_p2p_ops`` (by its op list)."""
-    name = collective_name(node)
-    if name == "isend":
-        return _bytes(_node_val(node.args[0])), 0
-    if name == "irecv":
-        return 0, _bytes(node.meta.get("val"))
-    ops, tensors = node.args[0], node.args[3]
-    sent = sum(_bytes(_node_val(t)) for op, t in zip(ops, tensors) if "send" in str(op))
-    return sent, sum(_bytes(_node_val(t)) for op, t in zip(ops, tensors) if "recv" in str(op))
+    if coll.name == "isend":
+        return coll.bytes_in, 0
+    if coll.name == "irecv":
+        return 0, coll.bytes_out
+    ops, tensors = coll.node.args[0], coll.node.args[3]
+    sent = sum(tensor_bytes(example_value(t)) for op, t in zip(ops, tensors) if "send" in str(op))
+    return sent, sum(tensor_bytes(example_value(t)) for op, t in zip(ops, tensors) if "recv" in str(op))
 
 
 def origin(stack_trace: str | None) -> str:
@@ -255,7 +195,7 @@ class CommTracer:
         ``missing`` set: the report says it is incomplete.
         """
         if not isinstance(gm, torch.fx.GraphModule):
-            if trace_name != "dynamo_output_graph" and _TEXT_COLLECTIVE.search(text):
+            if trace_name != "dynamo_output_graph" and fx_collectives.names_in_text(text):
                 return {
                     "ev": "comm_graph",
                     "compile_id": compile_key,
@@ -338,17 +278,16 @@ class CommTracer:
         donors = _attribution_donors(gm, dynamo_gm)
         redistributes = _redistributes(dynamo_gm)
         out = []
-        for n in nodes:
-            op = collective_name(n)
-            if op is None:
+        for coll in fx_collectives.iter_collectives(gm):  # NOTE [one collective reader]
+            kind = coll.kind
+            if kind is None:
                 continue
-            kind = TRAFFIC[op]
+            n, op, group = coll.node, coll.name, coll.group
             meta_node = self._backward_source(donors.get(n, n))
-            group = _group_name(n)
-            size, ranks = _compat.process_group_info(group)
-            val_in = _node_val(n.args[0]) if n.args else None
-            bytes_in, bytes_out = _bytes(val_in), _bytes(n.meta.get("val"))
-            sent, received = p2p_bytes(n) if kind == "p2p" else traffic_bytes(kind, bytes_in, size)
+            ranks = list(coll.ranks)
+            size = len(ranks)
+            bytes_in, bytes_out = coll.bytes_in, coll.bytes_out
+            sent, received = p2p_bytes(coll) if kind == "p2p" else traffic_bytes(kind, bytes_in, size)
             est = _compat.estimate_collective_ms(
                 n, intra_bw=_env_float(INTRA_BW_ENV), inter_bw=_env_float(INTER_BW_ENV)
             )
@@ -378,15 +317,15 @@ class CommTracer:
                     "group_size": size,
                     "group_ranks": ranks,
                     "mesh_axis": self.group_axis.get(group, ""),
-                    "dtype": _dtype(n.meta.get("val")),
-                    "shape_in": _shape(val_in),
-                    "shape_out": _shape(n.meta.get("val")),
+                    "dtype": tensor_dtype(coll.output),
+                    "shape_in": tensor_shape(coll.input),
+                    "shape_out": tensor_shape(coll.output),
                     "bytes_in": bytes_in,
                     "bytes_out": bytes_out,
                     "sent": sent,
                     "received": received,
                     "est_ms": est,
-                    "overlap_ops": _overlap_ops(n, nodes, position),
+                    "overlap_ops": _overlap_ops(coll, nodes, position),
                     "file": normalize_path(frame[0], root=self.root) if frame else "",
                     "line": frame[1] if frame else 0,
                     "function": frame[2] if frame else "",
@@ -433,28 +372,20 @@ def _env_float(name: str) -> float | None:
         return None
 
 
-def _overlap_ops(n: torch.fx.Node, nodes: list, position: dict) -> int | None:
-    """Compute ops between ``n`` and the first ``wait_tensor`` of its result, in graph order; ``None``: no wait."""
-    waits = [u for u in _uses(n) if u.op == "call_function" and "wait_tensor" in str(u.target)]
+def _overlap_ops(coll: FxCollective, nodes: list, position: dict) -> int | None:
+    """Compute ops between a collective and the first wait of its result, in graph order; ``None``: no wait."""
+    waits = coll.waits
     if not waits:
         return None
     end = min(position[w] for w in waits)
     return sum(
         1
-        for m in nodes[position[n] + 1 : end]
+        for m in nodes[position[coll.node] + 1 : end]
         if m.op == "call_function"
-        and collective_name(m) is None
-        and "wait_tensor" not in str(m.target)
+        and not fx_collectives.is_collective(m)
+        and not fx_collectives.is_wait(m)
         and m.target is not operator.getitem
     )
-
-
-def _uses(n: torch.fx.Node) -> list:
-    """Users of ``n``, through ``getitem`` for coalesced collectives."""
-    out = []
-    for u in n.users:
-        out += list(u.users) if u.target is operator.getitem else [u]
-    return out
 
 
 def _attribution_donors(gm: torch.fx.GraphModule, dynamo_gm: torch.fx.GraphModule | None) -> dict:
@@ -465,15 +396,14 @@ def _attribution_donors(gm: torch.fx.GraphModule, dynamo_gm: torch.fx.GraphModul
     """
     if dynamo_gm is None:
         return {}
-    mine = [n for n in gm.graph.nodes if collective_name(n)]
-    if all(n.meta.get("stack_trace") for n in mine):
+    mine = [c for c in fx_collectives.iter_collectives(gm) if c.kind]
+    if all(c.stack_trace for c in mine):
         return {}
-    theirs = [n for n in dynamo_gm.graph.nodes if collective_name(n)]
-    sig = [(collective_name(n), _group_name(n)) for n in mine]
-    if sig != [(collective_name(n), _group_name(n)) for n in theirs]:
+    theirs = [c for c in fx_collectives.iter_collectives(dynamo_gm) if c.kind]
+    if [(c.name, c.group) for c in mine] != [(c.name, c.group) for c in theirs]:
         log.debug("AOT and Dynamo collectives differ; no attribution for this graph")
         return {}
-    return dict(zip(mine, theirs))
+    return {a.node: b.node for a, b in zip(mine, theirs)}
 
 
 def _redistributes(dynamo_gm: torch.fx.GraphModule | None) -> dict[str, tuple[str, str]]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
+from .ranges import format_ranks
 from .records import AuditReport, GraphBreak
 
 
@@ -20,7 +21,7 @@ class BreakDiff:
         lines = []
         for label, rows in (("new", self.new), ("fixed", self.fixed), ("unchanged", self.unchanged)):
             lines.append(f"{label}: {len(rows)}")
-            lines += [f"  {b.id}  (ranks {','.join(map(str, b.ranks))}, x{b.count})" for b in rows]
+            lines += [f"  {b.id}  (ranks {format_ranks(b.ranks)}, x{b.count})" for b in rows]
         return "\n".join(lines) + "\n"
 
 

@@ -1,4 +1,4 @@
-"""Rank sets in words: ``0–511, 513–1023`` instead of a thousand numbers, and ranks grouped by what they did.
+"""Ranks grouped by what they did; rank sets in words (:func:`dynamo_ext.rank_ranges.format_ranks`).
 
 A report over 1,000 ranks stays readable when ranks with identical findings
 share one line and only the outliers are named, by rank and host.
@@ -9,41 +9,11 @@ from __future__ import annotations
 from collections.abc import Hashable, Iterable
 from typing import TypeVar
 
+from ..rank_ranges import format_ranks
+
+__all__ = ["format_counts", "format_ranks", "group_by"]
+
 K = TypeVar("K", bound=Hashable)
-
-DASH = "\u2013"  # en dash, as in "ranks 0–511"
-
-
-def spans(ranks: Iterable[int]) -> list[tuple[int, int]]:
-    """Maximal runs of consecutive ranks, as ``(first, last)`` pairs, ascending; duplicates ignored."""
-    out: list[tuple[int, int]] = []
-    for r in sorted(set(ranks)):
-        if out and r == out[-1][1] + 1:
-            out[-1] = (out[-1][0], r)
-        else:
-            out.append((r, r))
-    return out
-
-
-def format_ranks(ranks: Iterable[int], *, world_size: int | None = None) -> str:
-    """``"0–511, 513–1023"``; ``"all"`` when ``ranks`` is every rank of ``world_size``; ``"-"`` when empty.
-
-    Two consecutive ranks are written ``"3, 4"`` (a range of two reads as a typo).
-    """
-    runs = spans(ranks)
-    if not runs:
-        return "-"
-    if world_size and runs == [(0, world_size - 1)]:
-        return "all"
-    parts = []
-    for a, b in runs:
-        if a == b:
-            parts.append(str(a))
-        elif b == a + 1:
-            parts += [str(a), str(b)]
-        else:
-            parts.append(f"{a}{DASH}{b}")
-    return ", ".join(parts)
 
 
 def group_by(items: Iterable[tuple[int, K]]) -> list[tuple[K, tuple[int, ...]]]:

@@ -15,12 +15,12 @@ from __future__ import annotations
 
 from ..errors import CollectiveMismatchError
 from .exchange import GroupRun, agree
-from .fingerprint import Collective, collectives, data_flow, first_difference, same_collective
+from .fingerprint import CollectiveSignature, collectives, data_flow, first_difference, same_collective
 from .hook import install
 from .stream import check_collectives, merge_decision, reset
 
 __all__ = [
-    "Collective",
+    "CollectiveSignature",
     "CollectiveMismatchError",
     "GroupRun",
     "agree",

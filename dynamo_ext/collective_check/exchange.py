@@ -58,7 +58,8 @@ from typing import Any
 
 from .. import _compat, config
 from ..errors import CollectiveMismatchError
-from .fingerprint import Collective, same_collective
+from ..rank_ranges import format_ranks
+from .fingerprint import CollectiveSignature, same_collective
 from .responder import ask
 
 log = logging.getLogger(__name__)
@@ -81,7 +82,7 @@ class GroupRun:
 
     group: str
     ranks: tuple[int, ...]
-    records: tuple[Collective, ...]
+    records: tuple[CollectiveSignature, ...]
     digest: str
     start: int
 
@@ -221,7 +222,7 @@ class _Check:
                     if not self.store.check([key]):
                         break  # the peer writes this position after this rank: it compares it then
                     entry = json.loads(self.store.get(key))
-                theirs = Collective.from_json(entry["c"])
+                theirs = CollectiveSignature.from_json(entry["c"])
                 if not same_collective(mine, theirs, self.rank, peer):
                     out.append(self._difference(r, r.start + i, peer, mine, theirs))
                     break
@@ -239,24 +240,30 @@ class _Check:
             if self.rank not in scope or self.store.check([self._entry_key(gkey, position, self.rank)]):
                 continue
             self.peer_groups.add(gkey)
-            theirs = Collective.from_json(json.loads(self.store.get(self._entry_key(gkey, position, peer)))["c"])
-            mine = ", ".join(f"position {r.start} of group {r.group!r} (ranks {_ranks(r.ranks)})" for r in self.runs)
+            theirs = CollectiveSignature.from_json(
+                json.loads(self.store.get(self._entry_key(gkey, position, peer)))["c"]
+            )
+            mine = ", ".join(
+                f"position {r.start} of group {r.group!r} (ranks {format_ranks(r.ranks)})" for r in self.runs
+            )
             return (
                 f"the stream differs between rank {self.rank} and rank {peer}: "
                 f"rank {peer} waits for rank {self.rank} at position {position} of group {group!r} "
-                f"(ranks {_ranks(scope)}) with {_line(theirs)}, while rank {self.rank} waits at {mine}: "
+                f"(ranks {format_ranks(scope or ())}) with {_line(theirs)}, while rank {self.rank} waits at {mine}: "
                 f"the ranks issue their collectives in different orders or on different groups"
             )
         return None
 
-    def _difference(self, r: GroupRun, position: int, peer: int, mine: Collective, theirs: Collective) -> str:
+    def _difference(
+        self, r: GroupRun, position: int, peer: int, mine: CollectiveSignature, theirs: CollectiveSignature
+    ) -> str:
         return (
-            f"position {position} of group {r.group!r} (ranks {_ranks(r.ranks)}) differs between rank "
+            f"position {position} of group {r.group!r} (ranks {format_ranks(r.ranks)}) differs between rank "
             f"{self.rank} and rank {peer}:\n  rank {self.rank}: {_line(mine)}\n  rank {peer}: {_line(theirs)}"
         )
 
     def _head(self, r: GroupRun | None = None) -> str:
-        where = f" at position {r.start} of group {r.group!r} (ranks {_ranks(r.ranks)})" if r is not None else ""
+        where = f" at position {r.start} of group {r.group!r} (ranks {format_ranks(r.ranks)})" if r is not None else ""
         return f"collective check of a compiled graph on rank {self.rank}{where}:"
 
     def _message(self, differences: list[str]) -> str:
@@ -271,9 +278,9 @@ class _Check:
         parts = []
         for group in sorted({g for g, _ in pending}):
             r = by_group[group]
-            late = ", ".join(str(p) for g, p in sorted(pending) if g == group)
+            late = format_ranks(p for g, p in pending if g == group)
             parts.append(
-                f"rank(s) {late} did not reach position {r.start} of group {group!r} (ranks {_ranks(r.ranks)}) in a "
+                f"rank(s) {late} did not reach position {r.start} of group {group!r} (ranks {format_ranks(r.ranks)}) in a "
                 f"checked compiled graph within {self.timeout_s:g} s"
             )
         mine = "\n".join(
@@ -310,14 +317,7 @@ def write_entries(
         store.set(f"{gkey}/e/{position}/{rank}", json.dumps(entry))
 
 
-def _ranks(scope: Sequence[int] | None) -> str:
-    scope = list(scope or ())
-    if len(scope) > 1 and scope == list(range(scope[0], scope[-1] + 1)):
-        return f"{scope[0]}-{scope[-1]}"
-    return ",".join(map(str, scope))
-
-
-def _line(c: Collective | None) -> str:
+def _line(c: CollectiveSignature | None) -> str:
     if c is None:
         return "no collective"
     return f"{c.describe()} at {c.source or '<unknown source>'}"

@@ -16,7 +16,7 @@ mismatch.  Left out too, because they legitimately differ per rank:
   rank-dependent by design;
 * symbolic sizes are written as ``?`` (their values are checked by the collective itself).
 
-The user's frame that issued the collective (file name and line, :attr:`Collective.site`)
+The user's frame that issued the collective (file name and line, :attr:`CollectiveSignature.site`)
 is compared too: the ranks' streams are compared position by position across
 graph boundaries (NOTE [collective stream check]), and two all-reduces of equal
 shape issued by different lines (``if rank == 0: all_reduce(x)`` on one rank, an
@@ -37,27 +37,24 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.fx
 
 from .. import _compat
-from ..node_origin import group_name, user_frame
+from ..fx import collectives as fx_collectives
+from ..rank_ranges import format_ranks
 
-# Namespaces whose ops are collectives, and the ops in them that are not (or are point-to-point).
-_NAMESPACES = frozenset({"_c10d_functional", "_c10d_functional_autograd", "c10d"})
-_NOT_COLLECTIVES = frozenset(
-    {"wait_tensor", "wait", "isend", "irecv", "batch_p2p_ops", "send", "recv_", "recv_any_source_"}
-)
 _SPLIT_ARGS = frozenset({"output_split_sizes", "input_split_sizes"})
+# Arguments that name the group or the reduce op: compared through ``group``/``ranks`` and ``reduce_op``.
 _GROUP_ARGS = frozenset({"group_name", "group", "process_group", "tag"})
 _REDUCE_ARGS = frozenset({"reduce_op", "reduceOp", "op"})
 
 
 @dataclasses.dataclass(frozen=True)
-class Collective:
+class CollectiveSignature:
     """One collective of a graph, in the form ranks exchange (JSON-able fields).
 
     Attributes:
@@ -87,10 +84,14 @@ class Collective:
         return os.path.basename(head)
 
     def describe(self) -> str:
-        """One line for error messages: ``all_reduce(float32[4, 4], sum) on group '0' (ranks 0-3)``."""
+        """One line for error messages: ``all_reduce(float32[4, 4], sum) on group '0' (ranks 0–3)``.
+
+        Ranks as every message and report writes them (:func:`dynamo_ext.rank_ranges.format_ranks`).
+        """
         inner = ", ".join((*self.tensors, *([self.reduce_op] if self.reduce_op else []), *self.args))
-        ranks = f"{self.ranks[0]}-{self.ranks[-1]}" if _contiguous(self.ranks) else ",".join(map(str, self.ranks))
-        return f"{self.phase} {self.op.split('.')[-1]}({inner}) on group {self.group!r} (ranks {ranks})"
+        return (
+            f"{self.phase} {self.op.split('.')[-1]}({inner}) on group {self.group!r} (ranks {format_ranks(self.ranks)})"
+        )
 
     def to_json(self) -> list[Any]:
         return [
@@ -105,23 +106,19 @@ class Collective:
         ]
 
     @classmethod
-    def from_json(cls, row: Sequence[Any]) -> Collective:
+    def from_json(cls, row: Sequence[Any]) -> CollectiveSignature:
         op, group, ranks, reduce_op, tensors, args, phase, source = row
         return cls(op, group, tuple(ranks), reduce_op, tuple(tensors), tuple(args), phase, source)
-
-
-def _contiguous(ranks: tuple[int, ...]) -> bool:
-    return len(ranks) > 1 and list(ranks) == list(range(ranks[0], ranks[-1] + 1))
 
 
 def _pattern(ranks: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(r - ranks[0] for r in ranks) if ranks else ()
 
 
-def same_collective(mine: Collective, theirs: Collective, my_rank: int, their_rank: int) -> bool:
+def same_collective(mine: CollectiveSignature, theirs: CollectiveSignature, my_rank: int, their_rank: int) -> bool:
     """Whether rank ``my_rank`` issuing ``mine`` and rank ``their_rank`` issuing ``theirs`` agree.
 
-    Equal op, reduce op, tensors, arguments and issuing line (:attr:`Collective.site`);
+    Equal op, reduce op, tensors, arguments and issuing line (:attr:`CollectiveSignature.site`);
     the same group when either rank is in the other's group, else groups of the
     same rank pattern (NOTE [collective fingerprint]).
     """
@@ -140,7 +137,7 @@ def same_collective(mine: Collective, theirs: Collective, my_rank: int, their_ra
 
 
 def first_difference(
-    mine: Sequence[Collective], theirs: Sequence[Collective], my_rank: int, their_rank: int
+    mine: Sequence[CollectiveSignature], theirs: Sequence[CollectiveSignature], my_rank: int, their_rank: int
 ) -> int | None:
     """Index of the first collective where the sequences differ (``len`` of the shorter one when one
     is a prefix of the other), ``None`` when they agree."""
@@ -163,58 +160,39 @@ def _tensor_spec(val: Any, *, skip_dim0: bool = False) -> str | None:
     return f"{str(val.dtype).removeprefix('torch.')}[{', '.join(dims)}]"
 
 
-def _source_line(node: torch.fx.Node) -> str:
-    """``file:line: code`` of the user's frame in ``node.meta["stack_trace"]`` (:func:`node_origin.user_frame`), or ``""``."""
-    frame = user_frame(node.meta.get("stack_trace"))
+def _source_line(coll: fx_collectives.FxCollective) -> str:
+    """``file:line: code`` of the user's frame that issued ``coll`` (:attr:`FxCollective.user_frame`), or ``""``."""
+    frame = coll.user_frame
     return f"{frame[0]}:{frame[1]}: {frame[3]}".rstrip(": ") if frame else ""
 
 
-def _subgraphs(gm: torch.fx.GraphModule, node: torch.fx.Node) -> Iterator[torch.fx.GraphModule]:
-    """Graph modules a higher-order op node calls (its ``get_attr`` arguments)."""
-    for arg in node.all_input_nodes:
-        if arg.op == "get_attr":
-            sub = getattr(gm, str(arg.target), None)
-            if isinstance(sub, torch.fx.GraphModule):
-                yield sub
-
-
-def collectives(gm: torch.fx.GraphModule, phase: str = "forward") -> list[Collective]:
+def collectives(gm: torch.fx.GraphModule, phase: str = "forward") -> list[CollectiveSignature]:
     """The collectives of ``gm`` in graph order (subgraphs of higher-order ops where they are called).
+
+    Read by :func:`dynamo_ext.fx.collectives.iter_collectives` (NOTE [one collective reader]);
+    point-to-point ops are left out (NOTE [collective fingerprint]).
 
     Args:
         gm: an FX graph whose nodes carry ``meta["val"]`` (AOTAutograd's forward,
             backward or inference graph); tensors without it count as ``"?"``.
         phase: written into each entry.
     """
-    out: list[Collective] = []
-    for node in gm.graph.nodes:
-        if node.op != "call_function":
-            continue
-        schema = _compat.op_schema(node.target)
-        if schema is None:
-            for sub in _subgraphs(gm, node):
-                out += collectives(sub, phase)
-            continue
-        namespace, _, name = schema.name.partition("::")
-        if namespace not in _NAMESPACES or name in _NOT_COLLECTIVES:
-            continue
-        out.append(_collective(node, schema, f"{namespace}.{name}", phase))
-    return out
+    return [
+        _signature(c, phase) for c in fx_collectives.iter_collectives(gm, into_subgraphs=True) if not c.point_to_point
+    ]
 
 
-def _collective(node: torch.fx.Node, schema: Any, op: str, phase: str) -> Collective:
-    bound = dict(zip((a.name for a in schema.arguments), node.args))
-    bound.update(node.kwargs)
-    all_to_all = op.endswith("all_to_all_single")
-    group, reduce_op, tensors, args = "", "", [], []
-    for arg_name, value in bound.items():
+def _signature(coll: fx_collectives.FxCollective, phase: str) -> CollectiveSignature:
+    all_to_all = coll.name == "all_to_all_single"
+    tensors, args = [], []
+    for arg_name, value in coll.arguments.items():
         if arg_name in _GROUP_ARGS and not isinstance(value, (torch.fx.Node, list, tuple)):
-            group = group or group_name(value)
-        elif arg_name in _REDUCE_ARGS and isinstance(value, str):
-            reduce_op = value
-        elif arg_name in _SPLIT_ARGS:
+            continue  # the group: ``coll.group``
+        if arg_name in _REDUCE_ARGS and isinstance(value, str):
+            continue  # the reduce op: ``coll.reduce_op``
+        if arg_name in _SPLIT_ARGS:
             continue
-        elif isinstance(value, torch.fx.Node) or (
+        if isinstance(value, torch.fx.Node) or (
             isinstance(value, (list, tuple)) and value and all(isinstance(v, torch.fx.Node) for v in value)
         ):
             for v in value if isinstance(value, (list, tuple)) else (value,):
@@ -222,17 +200,15 @@ def _collective(node: torch.fx.Node, schema: Any, op: str, phase: str) -> Collec
                 tensors.append(spec if spec is not None else "?")
         else:
             args.append(f"{arg_name}={value!r}")
-    return Collective(
-        op, group, _compat.group_ranks(group), reduce_op, tuple(tensors), tuple(args), phase, _source_line(node)
+    return CollectiveSignature(
+        coll.op, coll.group, coll.ranks, coll.reduce_op, tuple(tensors), tuple(args), phase, _source_line(coll)
     )
 
 
-def _is_collective(node: torch.fx.Node) -> bool:
-    schema = _compat.op_schema(node.target) if node.op == "call_function" else None
-    if schema is None:
-        return False
-    namespace, _, name = schema.name.partition("::")
-    return namespace in _NAMESPACES and name not in _NOT_COLLECTIVES
+def _compared(node: torch.fx.Node) -> bool:
+    """Whether ``node`` is a collective the ranks compare (not a wait, not point-to-point)."""
+    coll = fx_collectives.read(node) if node.op == "call_function" else None
+    return coll is not None and not coll.point_to_point
 
 
 def data_flow(gm: torch.fx.GraphModule) -> str:
@@ -253,7 +229,7 @@ def data_flow(gm: torch.fx.GraphModule) -> str:
         mask = 0
         for a in node.all_input_nodes:
             mask |= reach.get(a, 0)
-        if _is_collective(node):
+        if _compared(node):
             used = any(u.users for u in node.users)
             out.append(f"c{mask:x}{'u' if used else ''}")
             mask |= 1 << index

@@ -33,7 +33,7 @@ from typing import Any
 
 from .. import _compat, config
 from .._patching import Patcher
-from .fingerprint import Collective, collectives, data_flow
+from .fingerprint import CollectiveSignature, collectives, data_flow
 from .stream import checked, group_plans
 
 log = logging.getLogger(__name__)
@@ -43,7 +43,7 @@ class _Capture:
     """The forward (or inference) graph's collectives and data flow, read where AOTAutograd compiles it."""
 
     def __init__(self) -> None:
-        self.records: list[Collective] | None = None
+        self.records: list[CollectiveSignature] | None = None
         self.flow = ""
         self.bucketed: frozenset[str] = frozenset()
 

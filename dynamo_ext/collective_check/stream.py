@@ -55,7 +55,7 @@ from typing import Any
 
 from .. import _compat, config
 from .exchange import GroupRun, agree, exchange_store, write_entries
-from .fingerprint import Collective
+from .fingerprint import CollectiveSignature
 from .responder import History, Responder
 
 log = logging.getLogger(__name__)
@@ -120,7 +120,7 @@ class GroupPlan:
 
     group: str
     ranks: tuple[int, ...]
-    records: tuple[Collective, ...]
+    records: tuple[CollectiveSignature, ...]
     digest: str
     bucketed: bool = False
     """Whether the compiled graph has buckets on this group (which run merged where the check decides)."""
@@ -130,7 +130,7 @@ def _pattern(ranks: Sequence[int]) -> list[int]:
     return [r - ranks[0] for r in ranks] if ranks else []
 
 
-def graph_digest(group: str, records: Sequence[Collective], flow: str) -> str:
+def graph_digest(group: str, records: Sequence[CollectiveSignature], flow: str) -> str:
     """A digest of a graph's collectives (all groups; other groups by rank pattern) and data flow, for ``group``.
 
     Equal on ranks of ``group`` that run the same collectives, from the same
@@ -143,13 +143,15 @@ def graph_digest(group: str, records: Sequence[Collective], flow: str) -> str:
     return hashlib.sha1(json.dumps([rows, flow]).encode()).hexdigest()[:20]
 
 
-def group_plans(records: Sequence[Collective], flow: str, bucketed: frozenset[str] = frozenset()) -> list[GroupPlan]:
+def group_plans(
+    records: Sequence[CollectiveSignature], flow: str, bucketed: frozenset[str] = frozenset()
+) -> list[GroupPlan]:
     """One plan per group of ``records`` that holds this rank and another one, in order of first use.
 
     ``bucketed``: the groups on which the compiled graph has buckets.
     """
     rank = _compat.global_rank()
-    by_group: dict[str, list[Collective]] = {}
+    by_group: dict[str, list[CollectiveSignature]] = {}
     for c in records:
         if c.group and len(c.ranks) > 1 and rank in c.ranks:
             by_group.setdefault(c.group, []).append(c)
@@ -343,7 +345,7 @@ def _like(run: Callable[..., Any], compiled: Callable[..., Any]) -> Callable[...
     return run
 
 
-def check_collectives(records: Sequence[Collective]) -> None:
+def check_collectives(records: Sequence[CollectiveSignature]) -> None:
     """Check ``records``, which this rank issues next, against the peers' at the same stream positions, now.
 
     For code that issues collectives outside a checked compiled graph (a traced

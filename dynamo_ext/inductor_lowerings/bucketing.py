@@ -64,16 +64,17 @@ left alone.  Sizes (small threshold, bucket cap) count the unsharded side.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from typing import Any
 
 import torch
 import torch.fx
-import torch.utils._pytree as pytree
 
 from .. import _compat
+from ..fx import collectives as fx_collectives
+from ..fx.nodes import example_value, static_contiguous
 from . import bucket_op, options
+from .graph_edit import call
 from .registry import package_sources
 
 aten = torch.ops.aten
@@ -92,17 +93,17 @@ class _Member:
     """Shape of the collective's result (what the wait's users see)."""
 
 
-def _val(node: Any) -> Any:
-    return node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+_KINDS = {
+    c10d.all_reduce.default: ALL_REDUCE,
+    c10d.all_gather_into_tensor.default: ALL_GATHER,
+    c10d.reduce_scatter_tensor.default: REDUCE_SCATTER,
+}
+# Positional arguments of each kind's op (the mergers unpack them); a call with fewer or with keywords is left alone.
+_ARITY = {ALL_REDUCE: 3, ALL_GATHER: 3, REDUCE_SCATTER: 4}
 
 
-def _static_contiguous(val: Any) -> bool:
-    return (
-        isinstance(val, torch.Tensor)
-        and all(isinstance(s, int) for s in val.shape)
-        and all(isinstance(s, int) for s in val.stride())
-        and val.is_contiguous()
-    )
+def _enabled(kind: str) -> bool:
+    return options.bucket_all_reduces if kind == ALL_REDUCE else options.bucket_all_gathers_reduce_scatters
 
 
 def _candidate(node: torch.fx.Node) -> tuple[tuple[Any, ...], int] | None:
@@ -112,51 +113,39 @@ def _candidate(node: torch.fx.Node) -> tuple[tuple[Any, ...], int] | None:
     whose input and result are static and contiguous, and (all-gather,
     reduce-scatter) whose shapes follow the dim-0 rule of NOTE [all-gather /
     reduce-scatter buckets].  Anything it does not recognise is left alone.
+    The collective is read by :func:`dynamo_ext.fx.collectives.read` (NOTE [one collective reader]).
     """
-    if node.op != "call_function" or node.kwargs:
+    kind = _KINDS.get(node.target) if node.op == "call_function" else None
+    if kind is None or node.kwargs or len(node.args) != _ARITY[kind] or not _enabled(kind):
         return None
-    target = node.target
-    if target is c10d.all_reduce.default:
-        if not options.bucket_all_reduces or len(node.args) != 3:
-            return None
-        kind = ALL_REDUCE
-    elif target is c10d.all_gather_into_tensor.default:
-        if not options.bucket_all_gathers_reduce_scatters or len(node.args) != 3:
-            return None
-        kind = ALL_GATHER
-    elif target is c10d.reduce_scatter_tensor.default:
-        if not options.bucket_all_gathers_reduce_scatters or len(node.args) != 4:
-            return None
-        kind = REDUCE_SCATTER
-    else:
-        return None
-    if len(node.users) != 1:
+    coll = fx_collectives.read(node)
+    if coll is None or len(node.users) != 1:
         return None
     wait = next(iter(node.users))
     if wait.target is not c10d.wait_tensor.default or not wait.users:
         return None
-    val, out = _val(node.args[0]), _val(node)
-    if not _static_contiguous(val) or not _static_contiguous(out) or out.dtype != val.dtype or val.numel() == 0:
+    val, out = coll.input, coll.output
+    if not static_contiguous(val) or not static_contiguous(out) or out.dtype != val.dtype or val.numel() == 0:
         return None
-    nbytes = val.numel() * val.element_size()
+    nbytes = coll.bytes_in
     if kind == ALL_REDUCE:
         if tuple(out.shape) != tuple(val.shape):
             return None
-        key: tuple[Any, ...] = (kind, str(node.args[2]), str(node.args[1]), val.dtype)
+        key: tuple[Any, ...] = (kind, coll.group, coll.reduce_op, val.dtype)
     else:
-        size = node.args[1] if kind == ALL_GATHER else node.args[2]
+        size = coll.arguments["group_size"]
         if not isinstance(size, int) or isinstance(size, bool) or size < 1 or val.dim() < 1:
             return None
         s0, rest = val.shape[0], tuple(val.shape[1:])
         if kind == ALL_GATHER:
             expected = (size * s0, *rest)
             nbytes *= size
-            key = (kind, str(node.args[2]), size, val.dtype)
+            key = (kind, coll.group, size, val.dtype)
         else:
             if s0 % size:
                 return None
             expected = (s0 // size, *rest)
-            key = (kind, str(node.args[3]), size, str(node.args[1]), val.dtype)
+            key = (kind, coll.group, size, coll.reduce_op, val.dtype)
         if tuple(out.shape) != expected:
             return None
     if nbytes > options.bucket_small_bytes:
@@ -176,7 +165,7 @@ def bucket_key(node: torch.fx.Node) -> tuple[Any, ...] | None:
 
 
 # Namespaces whose ops are collectives or waits: never moved across a merged collective.
-_COLLECTIVE_NAMESPACES = frozenset({"_c10d_functional", "_c10d_functional_autograd", "c10d", "symm_mem"})
+_COLLECTIVE_NAMESPACES = fx_collectives.NAMESPACES | {"symm_mem"}
 
 
 def _movable(node: torch.fx.Node) -> bool:
@@ -219,7 +208,7 @@ def plan_buckets(graph: torch.fx.Graph) -> list[list[_Member]]:
             continue
         key, nbytes = found
         wait = next(iter(node.users))
-        member = _Member(node, wait, _val(node.args[0]).numel(), tuple(_val(node).shape))
+        member = _Member(node, wait, example_value(node.args[0]).numel(), tuple(example_value(node).shape))
         for bucket in open_buckets.values():  # a candidate of another key reading a member's result
             if bucket.key != key and any(a in bucket.tainted for a in node.all_input_nodes):
                 bucket.tainted.add(node)
@@ -259,22 +248,10 @@ def _readers_before(members: list[_Member], anchor: torch.fx.Node) -> list[torch
     return out
 
 
-def _call(graph: torch.fx.Graph, target: Any, args: tuple[Any, ...], origin: torch.fx.Node) -> torch.fx.Node:
-    node = graph.call_function(target, args)
-    vals = pytree.tree_map_only(torch.fx.Node, _val, args)
-    mode = _compat.detect_fake_mode([v for v in pytree.tree_leaves(vals) if isinstance(v, torch.Tensor)])
-    with mode if mode is not None else contextlib.nullcontext():
-        node.meta["val"] = target(*vals)
-    node.meta["original_aten"] = target
-    if "stack_trace" in origin.meta:
-        node.meta["stack_trace"] = origin.meta["stack_trace"]
-    return node
-
-
 def _replace(graph: torch.fx.Graph, m: _Member, flat: torch.fx.Node, start: int, stop: int) -> None:
     """Point ``m``'s result users at ``flat[start:stop]`` viewed as ``m.shape``."""
-    piece = _call(graph, aten.slice.Tensor, (flat, 0, start, stop), m.wait)
-    out = _call(graph, aten.view.default, (piece, list(m.shape)), m.wait)
+    piece = call(graph, aten.slice.Tensor, (flat, 0, start, stop), m.wait)
+    out = call(graph, aten.view.default, (piece, list(m.shape)), m.wait)
     m.wait.replace_all_uses_with(out)
 
 
@@ -287,24 +264,22 @@ def _issue(
     if switchable:
         reduce_op = "" if kind == ALL_GATHER else args[1]
         size = 1 if kind == ALL_REDUCE else args[1] if kind == ALL_GATHER else args[2]
-        node = _call(
-            graph, bucket_op.bucketed_collective_op(), (packed, kind, sizes, reduce_op, size, group_name), last
-        )
+        node = call(graph, bucket_op.bucketed_collective_op(), (packed, kind, sizes, reduce_op, size, group_name), last)
         return node, node
     target = {
         ALL_REDUCE: c10d.all_reduce.default,
         ALL_GATHER: c10d.all_gather_into_tensor.default,
         REDUCE_SCATTER: c10d.reduce_scatter_tensor.default,
     }[kind]
-    merged = _call(graph, target, args, last)
-    return merged, _call(graph, c10d.wait_tensor.default, (merged,), last)
+    merged = call(graph, target, args, last)
+    return merged, call(graph, c10d.wait_tensor.default, (merged,), last)
 
 
 def _merge_all_reduce(graph: torch.fx.Graph, members: list[_Member], switchable: bool) -> torch.fx.Node:
     last = members[-1].collective
     _, reduce_op, group_name = last.args
-    flats = [_call(graph, aten.view.default, (m.collective.args[0], [m.numel]), m.collective) for m in members]
-    packed = _call(graph, aten.cat.default, (flats, 0), last)
+    flats = [call(graph, aten.view.default, (m.collective.args[0], [m.numel]), m.collective) for m in members]
+    packed = call(graph, aten.cat.default, (flats, 0), last)
     sizes = [m.numel for m in members]
     merged, reduced = _issue(graph, ALL_REDUCE, (packed, reduce_op, group_name), sizes, last, switchable)
     offset = 0
@@ -319,19 +294,19 @@ def _merge_all_gather(graph: torch.fx.Graph, members: list[_Member], switchable:
     last = members[-1].collective
     _, size, group_name = last.args
     total = sum(m.numel for m in members)
-    flats = [_call(graph, aten.view.default, (m.collective.args[0], [m.numel]), m.collective) for m in members]
-    packed = _call(graph, aten.cat.default, (flats, 0), last)
+    flats = [call(graph, aten.view.default, (m.collective.args[0], [m.numel]), m.collective) for m in members]
+    packed = call(graph, aten.cat.default, (flats, 0), last)
     sizes = [m.numel for m in members]
     merged, gathered = _issue(graph, ALL_GATHER, (packed, size, group_name), sizes, last, switchable)
-    rows = _call(graph, aten.view.default, (gathered, [size, total]), last)  # row r: rank r's packed buffer
+    rows = call(graph, aten.view.default, (gathered, [size, total]), last)  # row r: rank r's packed buffer
     blocks = []
     offset = 0
     for m in members:
-        block = _call(graph, aten.slice.Tensor, (rows, 1, offset, offset + m.numel), m.wait)
-        block = _call(graph, aten.clone.default, (block,), m.wait)  # (W, n_i), now contiguous
-        blocks.append(_call(graph, aten.view.default, (block, [size * m.numel]), m.wait))
+        block = call(graph, aten.slice.Tensor, (rows, 1, offset, offset + m.numel), m.wait)
+        block = call(graph, aten.clone.default, (block,), m.wait)  # (W, n_i), now contiguous
+        blocks.append(call(graph, aten.view.default, (block, [size * m.numel]), m.wait))
         offset += m.numel
-    unpacked = _call(graph, aten.cat.default, (blocks, 0), last)
+    unpacked = call(graph, aten.cat.default, (blocks, 0), last)
     offset = 0
     for m in members:
         _replace(graph, m, unpacked, offset, offset + size * m.numel)
@@ -345,11 +320,10 @@ def _merge_reduce_scatter(graph: torch.fx.Graph, members: list[_Member], switcha
     _, reduce_op, size, group_name = last.args
     chunks = [m.numel // size for m in members]
     blocks = [
-        _call(graph, aten.view.default, (m.collective.args[0], [size, c]), m.collective)
-        for m, c in zip(members, chunks)
+        call(graph, aten.view.default, (m.collective.args[0], [size, c]), m.collective) for m, c in zip(members, chunks)
     ]
-    packed = _call(graph, aten.cat.default, (blocks, 1), last)  # (W, C)
-    flat = _call(graph, aten.view.default, (packed, [size * sum(chunks)]), last)
+    packed = call(graph, aten.cat.default, (blocks, 1), last)  # (W, C)
+    flat = call(graph, aten.view.default, (packed, [size * sum(chunks)]), last)
     merged, reduced = _issue(graph, REDUCE_SCATTER, (flat, reduce_op, size, group_name), chunks, last, switchable)
     offset = 0
     for m, c in zip(members, chunks):

@@ -77,25 +77,11 @@ def kernel_refusal(
     rank to the fallback together.  The compiled path never meets one: its lowering
     hands the op a contiguous comm buffer and contiguous residual and weight.
     """
-    if input.dtype not in (torch.float32, torch.bfloat16, torch.float16) or residual.dtype != input.dtype:
-        return f"dtypes {input.dtype} / {residual.dtype}"
-    if input.shape != residual.shape:
-        return f"shapes {tuple(input.shape)} / {tuple(residual.shape)}"
-    if not (input.is_contiguous() and residual.is_contiguous()):
-        return "a non-contiguous input or residual"
-    if weight is not None and (weight.numel() != input.shape[-1] or not weight.is_contiguous()):
-        return f"weight {tuple(weight.shape)} (contiguous: {weight.is_contiguous()})"
-    from .kernels.one_shot_all_reduce_rms_norm import output_dtypes
+    from .kernels.fused_all_reduce_launch import check_arguments
 
     try:
-        output_dtypes(
-            input.dtype,
-            None if weight is None else weight.dtype,
-            upcast=upcast,
-            mid_dtype=mid_dtype,
-            out_dtype=out_dtype,
-        )
-    except ValueError as e:
+        check_arguments(input, residual, weight, upcast=upcast, mid_dtype=mid_dtype, out_dtype=out_dtype)
+    except (TypeError, ValueError) as e:  # the launchers' own checks, as words
         return str(e)
     return None
 
@@ -118,6 +104,7 @@ def _one_shot_cuda(
     and an eager call on none.  A rendezvous that then fails raises: falling back on
     this rank alone would leave the others waiting in the kernel's barrier.
     """
+    from .kernels import fused_all_reduce_launch as fused_launch
     from .kernels import one_shot_all_reduce_rms_norm as launcher
     from .kernels import two_shot_all_reduce_rms_norm as two_shot
     from .kernels.peer_buffers import PeerBuffers
@@ -135,7 +122,7 @@ def _one_shot_cuda(
         ) from e
     casts = {"eps": eps, "upcast": upcast, "mid_dtype": mid_dtype, "out_dtype": out_dtype}
     if peers.world_size > 1 and fused_all_reduce_algorithm(input.numel() * input.element_size()) == "two_shot":
-        final = launcher.check_arguments(
+        final = fused_launch.check_arguments(
             input, residual, weight, upcast=upcast, mid_dtype=mid_dtype, out_dtype=out_dtype
         )[2]
         # The workspace is the same size on every rank (a collective call).  It cannot grow during

@@ -53,7 +53,7 @@ inputs stay stock all-reduces.  At most ``one_shot_max_bytes`` turns the two-sho
 
 one_shot_max_hidden: int = 16384
 """Longest row (elements) the fused all-reduce kernels take.  Rows above 4096 elements
-(``kernels.one_shot_all_reduce_rms_norm.MAX_BLOCK_N``) are walked in chunks, two passes,
+(``kernels.fused_all_reduce_launch.MAX_BLOCK_N``) are walked in chunks, two passes,
 so registers hold one 4096-element chunk at a time, never the row."""
 
 

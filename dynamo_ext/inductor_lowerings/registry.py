@@ -176,12 +176,13 @@ def append_post_grad_passes(
 # the compatibility package the lowerings reach Inductor and symmetric memory through.
 @functools.cache
 def package_sources() -> tuple[str, ...]:
-    """Paths of every ``.py`` file under ``dynamo_ext/inductor_lowerings`` and ``dynamo_ext/_compat`` (sorted).
-
-    What the passes' ``uuid()`` hashes (NOTE [pass identity covers the lowerings]).
-    """
+    """Paths of every ``.py`` file the passes run (sorted), for their ``uuid()``: ``dynamo_ext/inductor_lowerings``,
+    the compatibility package they reach Inductor and symmetric memory through (``dynamo_ext/_compat``), the FX
+    readers they use (``dynamo_ext/fx``) and ``dynamo_ext/node_origin.py`` (NOTE [pass identity covers the
+    lowerings])."""
     import pathlib
 
     root = pathlib.Path(__file__).resolve().parent
-    files = [*root.rglob("*.py"), *(root.parent / "_compat").rglob("*.py")]
+    pkg = root.parent
+    files = [*root.rglob("*.py"), *(pkg / "_compat").rglob("*.py"), *(pkg / "fx").rglob("*.py"), pkg / "node_origin.py"]
     return tuple(sorted(str(p) for p in files))

@@ -40,7 +40,9 @@ import torch
 import torch.fx
 
 from .. import _compat
+from ..fx.nodes import example_value, is_call, sole_user, static_shape, tensor_bytes
 from . import decisions, ops, options
+from .graph_edit import call, getitems
 from .registry import package_sources
 
 log = logging.getLogger(__name__)
@@ -78,18 +80,6 @@ class ResidualRMSNormMatch:
         return str(self.all_reduce.args[1])
 
 
-def _val(node: Any) -> Any:
-    return node.meta.get("val") if isinstance(node, torch.fx.Node) else None
-
-
-def _is(node: Any, *targets: Any) -> bool:
-    return isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target in targets
-
-
-def _sole_user(node: torch.fx.Node) -> torch.fx.Node | None:
-    return next(iter(node.users)) if len(node.users) == 1 else None
-
-
 def _other(node: torch.fx.Node, this: torch.fx.Node) -> Any:
     a, b = node.args[0], node.args[1]
     if a is this and b is not this:
@@ -100,17 +90,17 @@ def _other(node: torch.fx.Node, this: torch.fx.Node) -> Any:
 
 
 def _is_convert(node: Any) -> bool:
-    return _is(node, prims.convert_element_type.default) and isinstance(node.args[1], torch.dtype)
+    return is_call(node, prims.convert_element_type.default) and isinstance(node.args[1], torch.dtype)
 
 
 def _is_square(node: torch.fx.Node, h: torch.fx.Node) -> bool:
-    if _is(node, aten.pow.Tensor_Scalar) and node.args[0] is h:
+    if is_call(node, aten.pow.Tensor_Scalar) and node.args[0] is h:
         return node.args[1] == 2
-    return _is(node, aten.mul.Tensor) and node.args[0] is h and node.args[1] is h
+    return is_call(node, aten.mul.Tensor) and node.args[0] is h and node.args[1] is h
 
 
 def _is_last_dim_mean(node: Any, x: torch.fx.Node, ndim: int) -> bool:
-    if not (_is(node, aten.mean.dim) and node.args[0] is x):
+    if not (is_call(node, aten.mean.dim) and node.args[0] is x):
         return False
     dims = node.args[1]
     keepdim = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
@@ -118,7 +108,7 @@ def _is_last_dim_mean(node: Any, x: torch.fx.Node, ndim: int) -> bool:
 
 
 def _scalar_add_operand(node: Any, x: torch.fx.Node) -> float | None:
-    if not (_is(node, aten.add.Scalar, aten.add.Tensor) and node.args[0] is x) or node.kwargs.get("alpha", 1) != 1:
+    if not (is_call(node, aten.add.Scalar, aten.add.Tensor) and node.args[0] is x) or node.kwargs.get("alpha", 1) != 1:
         return None
     eps = node.args[1]
     return float(eps) if isinstance(eps, (int, float)) and not isinstance(eps, bool) else None
@@ -126,7 +116,7 @@ def _scalar_add_operand(node: Any, x: torch.fx.Node) -> float | None:
 
 def _is_weight_for(node: Any, hidden: int, ndim: int) -> bool:
     """A per-feature weight: ``hidden`` elements along the last dim, broadcasting adds no dims."""
-    val = _val(node)
+    val = example_value(node)
     return (
         isinstance(val, torch.Tensor)
         and val.dtype.is_floating_point
@@ -136,24 +126,20 @@ def _is_weight_for(node: Any, hidden: int, ndim: int) -> bool:
     )
 
 
-def _static_shape(val: Any) -> bool:
-    return isinstance(val, torch.Tensor) and all(isinstance(s, int) for s in val.shape)
-
-
 def _match_tail(
     norm: torch.fx.Node, hidden: int, ndim: int
 ) -> tuple[torch.fx.Node, torch.fx.Node | None, torch.dtype | None, torch.dtype | None, list[torch.fx.Node]]:
     """Walk ``[convert] -> [mul weight] -> [convert]`` from the normalized node while single-user."""
     out, weight, mid, last_cast, nodes = norm, None, None, None, []
-    user = _sole_user(out)
+    user = sole_user(out)
     if _is_convert(user):
         mid, out = user.args[1], user
         nodes.append(user)
-        user = _sole_user(out)
-    if _is(user, aten.mul.Tensor) and _is_weight_for(_other(user, out), hidden, ndim):
+        user = sole_user(out)
+    if is_call(user, aten.mul.Tensor) and _is_weight_for(_other(user, out), hidden, ndim):
         weight, out = _other(user, out), user
         nodes.append(user)
-        user = _sole_user(out)
+        user = sole_user(out)
         if _is_convert(user):
             last_cast, out = user.args[1], user
             nodes.append(user)
@@ -161,7 +147,7 @@ def _match_tail(
 
 
 def _match_decomposed(base: dict[str, Any], add: torch.fx.Node, hidden: int, ndim: int) -> ResidualRMSNormMatch | None:
-    dtype = _val(add).dtype
+    dtype = example_value(add).dtype
     upcasts = [u for u in add.users if _is_convert(u) and u.args[1] != dtype]
     # the square and the normalization may each read their own upcast of the sum
     for h, upcast in [(add, None), *((u, u.args[1]) for u in upcasts)]:
@@ -169,16 +155,16 @@ def _match_decomposed(base: dict[str, Any], add: torch.fx.Node, hidden: int, ndi
         for square in h.users:
             if not _is_square(square, h):
                 continue
-            mean = _sole_user(square)
+            mean = sole_user(square)
             if not _is_last_dim_mean(mean, square, ndim):
                 continue
-            eps_node = _sole_user(mean)
+            eps_node = sole_user(mean)
             eps = _scalar_add_operand(eps_node, mean)
-            rsqrt = _sole_user(eps_node) if eps is not None else None
-            if not _is(rsqrt, aten.rsqrt.default):
+            rsqrt = sole_user(eps_node) if eps is not None else None
+            if not is_call(rsqrt, aten.rsqrt.default):
                 continue
             for norm in rsqrt.users:
-                if not (_is(norm, aten.mul.Tensor) and _other(norm, rsqrt) in same):
+                if not (is_call(norm, aten.mul.Tensor) and _other(norm, rsqrt) in same):
                     continue
                 output, weight, mid, last_cast, tail = _match_tail(norm, hidden, ndim)
                 chain = [*(u for u in same if u is not add), square, mean, eps_node, rsqrt, norm, *tail]
@@ -201,15 +187,15 @@ def _match_fused_op(base: dict[str, Any], add: torch.fx.Node, hidden: int, ndim:
     if fused_op is None:
         return None
     for node in add.users:
-        if not _is(node, fused_op.default) or node.args[0] is not add or list(node.args[1]) != [hidden]:
+        if not is_call(node, fused_op.default) or node.args[0] is not add or list(node.args[1]) != [hidden]:
             continue
         weight = node.args[2] if len(node.args) > 2 else None
         if weight is not None and not _is_weight_for(weight, hidden, ndim):
             continue
-        getitems = {u.args[1]: u for u in node.users if _is(u, operator.getitem)}
+        getitems = {u.args[1]: u for u in node.users if is_call(u, operator.getitem)}
         if 0 not in getitems or len(getitems) != len(node.users):
             continue
-        dtype = _val(add).dtype
+        dtype = example_value(add).dtype
         compute = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
         eps = node.args[3] if len(node.args) > 3 else None
         if eps is None:
@@ -235,19 +221,19 @@ def match_residual_rms_norm(all_reduce: torch.fx.Node) -> ResidualRMSNormMatch |
 
 def match_or_reason(all_reduce: torch.fx.Node) -> tuple[ResidualRMSNormMatch | None, str]:
     """``(match, "")``, or ``(None, the first step of the chain that is missing)``."""
-    wait = _sole_user(all_reduce)
-    if not _is(wait, c10d.wait_tensor.default):
+    wait = sole_user(all_reduce)
+    if not is_call(wait, c10d.wait_tensor.default):
         return None, "the all-reduce's only reader is not a wait_tensor"
-    reduced_val = _val(wait)
-    if not _static_shape(reduced_val) or reduced_val.ndim < 1 or not reduced_val.dtype.is_floating_point:
+    reduced_val = example_value(wait)
+    if not static_shape(reduced_val) or reduced_val.ndim < 1 or not reduced_val.dtype.is_floating_point:
         return None, "the reduced tensor is not a floating-point tensor of static shape"
     hidden, ndim = reduced_val.shape[-1], reduced_val.ndim
     reason = "no residual add of the same shape and dtype reads the reduced tensor"
     for add in wait.users:
-        if not _is(add, aten.add.Tensor) or add.kwargs.get("alpha", 1) != 1:
+        if not is_call(add, aten.add.Tensor) or add.kwargs.get("alpha", 1) != 1:
             continue
         residual = _other(add, wait)
-        rval = _val(residual)
+        rval = example_value(residual)
         if not isinstance(rval, torch.Tensor) or rval.shape != reduced_val.shape or rval.dtype != reduced_val.dtype:
             continue
         base = {"all_reduce": all_reduce, "wait": wait, "add": add, "residual": residual}
@@ -269,12 +255,12 @@ def should_fuse_residual_rms_norm(match: ResidualRMSNormMatch, pos: dict[torch.f
 
 
 def _one_shot_dtypes_supported(match: ResidualRMSNormMatch) -> bool:
-    from .kernels.one_shot_all_reduce_rms_norm import output_dtypes
+    from .kernels.fused_all_reduce_launch import output_dtypes
 
-    weight = _val(match.weight)
+    weight = example_value(match.weight)
     try:
         output_dtypes(
-            _val(match.wait).dtype,
+            example_value(match.wait).dtype,
             None if weight is None else weight.dtype,
             upcast=match.upcast,
             mid_dtype=match.mid_dtype,
@@ -322,7 +308,7 @@ def one_shot_refusal(match: ResidualRMSNormMatch) -> str | None:
     local state such as the deprecated symmetric-memory registry (NOTE [symmetric
     memory route] in _compat/symm_mem.py), so every rank decides alike.
     """
-    val = _val(match.all_reduce.args[0])
+    val = example_value(match.all_reduce.args[0])
     checks = (
         (lambda: options.one_shot, ONE_SHOT_OFF),
         (lambda: isinstance(val, torch.Tensor), "the all-reduce input has no example value"),
@@ -339,7 +325,7 @@ def one_shot_refusal(match: ResidualRMSNormMatch) -> str | None:
         ),
         (
             lambda: ops.fused_all_reduce_algorithm(val.numel() * val.element_size()) is not None,
-            f"{_nbytes(val)} bytes > options.two_shot_max_bytes ({options.two_shot_max_bytes})",
+            f"{tensor_bytes(val)} bytes > options.two_shot_max_bytes ({options.two_shot_max_bytes})",
         ),
         (
             lambda: val.shape[-1] <= options.one_shot_max_hidden,
@@ -357,50 +343,17 @@ def one_shot_refusal(match: ResidualRMSNormMatch) -> str | None:
     return None
 
 
-def _nbytes(val: Any) -> int:
-    return val.numel() * val.element_size() if isinstance(val, torch.Tensor) else 0
-
-
 # ---- rewriting -----------------------------------------------------------------------------
-def _fake_call(fn: Any, *args: Any) -> Any:
-    vals = [_val(a) if isinstance(a, torch.fx.Node) else a for a in args]
-    mode = _compat.detect_fake_mode([v for v in vals if isinstance(v, torch.Tensor)])
-    if mode is None:
-        return fn(*vals)
-    with mode:
-        return fn(*vals)
-
-
-def _call(graph: torch.fx.Graph, target: Any, args: tuple[Any, ...], origin: torch.fx.Node) -> torch.fx.Node:
-    node = graph.call_function(target, args)
-    node.meta["val"] = _fake_call(target, *args)
-    node.meta["original_aten"] = target if isinstance(target, torch._ops.OpOverload) else None
-    for key in ("stack_trace", "nn_module_stack", "seq_nr"):
-        if key in origin.meta:
-            node.meta[key] = origin.meta[key]
-    return node
-
-
-def _getitems(graph: torch.fx.Graph, node: torch.fx.Node, n: int) -> list[torch.fx.Node]:
-    out = []
-    for i in range(n):
-        item = graph.call_function(operator.getitem, (node, i))
-        item.meta["val"] = node.meta["val"][i]
-        item.meta["original_aten"] = node.meta["original_aten"]
-        out.append(item)
-    return out
-
-
 def rewrite(graph: torch.fx.Graph, match: ResidualRMSNormMatch, *, one_shot: bool) -> None:
     """Replace the matched chain (and with ``one_shot`` the collective) by our op."""
     args = (match.residual, match.weight, match.eps, match.upcast, match.mid_dtype, match.out_dtype)
     with graph.inserting_before(match.add):
         if one_shot:
-            fused = _call(graph, ops.one_shot_op(), (match.all_reduce.args[0], *args, match.group_name), match.add)
-            items = [_call(graph, c10d.wait_tensor.default, (g,), match.add) for g in _getitems(graph, fused, 3)]
+            fused = call(graph, ops.one_shot_op(), (match.all_reduce.args[0], *args, match.group_name), match.add)
+            items = [call(graph, c10d.wait_tensor.default, (g,), match.add) for g in getitems(graph, fused, 3)]
         else:
-            fused = _call(graph, ops.residual_rms_norm_op(), (match.wait, *args), match.add)
-            items = _getitems(graph, fused, 3)
+            fused = call(graph, ops.residual_rms_norm_op(), (match.wait, *args), match.add)
+            items = getitems(graph, fused, 3)
     summed, normed, rstd = items
     match.output.replace_all_uses_with(normed)
     if match.rstd is not None:
@@ -433,7 +386,7 @@ def fuse_residual_rms_norm(graph: torch.fx.Graph) -> int:
     pos = _position(graph)
     count = 0
     for node in list(graph.nodes):
-        if not _is(node, c10d.all_reduce.default):
+        if not is_call(node, c10d.all_reduce.default):
             continue
         name = node.name
         match, reason = match_or_reason(node)
@@ -444,7 +397,7 @@ def fuse_residual_rms_norm(graph: torch.fx.Graph) -> int:
             decisions.not_applied(log, fusion=FUSION, node=name, reason="the norm weight is computed after the add")
             continue
         refusal = one_shot_refusal(match)
-        nbytes = _nbytes(_val(match.all_reduce.args[0]))
+        nbytes = tensor_bytes(example_value(match.all_reduce.args[0]))
         group_name = match.group_name
         if refusal is None:
             _compat.ensure_symm_mem_for_group(group_name)  # NOTE [symmetric memory route]
@@ -455,7 +408,7 @@ def fuse_residual_rms_norm(graph: torch.fx.Graph) -> int:
         if refusal is not None:
             decisions.not_applied(log, fusion="fused all-reduce kernel", node=name, reason=refusal)
             if refusal == ONE_SHOT_OFF:
-                _log_off_by_default(_val(match.all_reduce.args[0]))
+                _log_off_by_default(example_value(match.all_reduce.args[0]))
     if count:
         graph.lint()
     return count

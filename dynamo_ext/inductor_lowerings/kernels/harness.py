@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from . import fused_all_reduce_launch as fused_launch
 from . import one_shot_all_reduce_rms_norm as one_shot
 from . import two_shot_all_reduce_rms_norm as two_shot
 from .peer_buffers import PeerBuffers
@@ -158,7 +159,7 @@ class InProcessRanks:
         weight: torch.Tensor | None,
         *,
         eps: float,
-        max_block_n: int = one_shot.MAX_BLOCK_N,
+        max_block_n: int = fused_launch.MAX_BLOCK_N,
         **casts: Any,
     ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
         """One fused collective on every rank (``algorithm``: "one_shot" or "two_shot"); outputs by rank.
@@ -180,7 +181,7 @@ class InProcessRanks:
         weight: torch.Tensor | None,
         *,
         eps: float,
-        max_block_n: int = one_shot.MAX_BLOCK_N,
+        max_block_n: int = fused_launch.MAX_BLOCK_N,
         **casts: Any,
     ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
         """The collective on inputs already in place (``xs[r] = self.input(r, ...)``): what benchmarks time."""
@@ -205,7 +206,7 @@ class InProcessRanks:
         *,
         calls: int,
         eps: float = 1e-6,
-        max_block_n: int = one_shot.MAX_BLOCK_N,
+        max_block_n: int = fused_launch.MAX_BLOCK_N,
         seed: int = 0,
         input_sets: int = 4,
     ) -> dict[str, float]:
@@ -331,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--algorithms", default="one_shot,two_shot")
     parser.add_argument("--calls", type=int, default=1000, help="back-to-back collectives per case")
     parser.add_argument("--max-blocks", type=int, default=4)
-    parser.add_argument("--max-block-n", type=int, default=one_shot.MAX_BLOCK_N)
+    parser.add_argument("--max-block-n", type=int, default=fused_launch.MAX_BLOCK_N)
     args = parser.parse_args(argv)
     if interpreted():
         try:

@@ -13,14 +13,8 @@ from __future__ import annotations
 import torch
 
 from ._two_shot_all_reduce_rms_norm_kernel import _two_shot_all_reduce_residual_rms_norm_kernel
-from .one_shot_all_reduce_rms_norm import (
-    MAX_BLOCK_N,
-    _tl_dtype,
-    check_arguments,
-    launch_config,
-    reference,
-    reference_float64,
-)
+from .fused_all_reduce_launch import MAX_BLOCK_N, prepare_launch
+from .one_shot_all_reduce_rms_norm import reference, reference_float64
 from .peer_buffers import PeerBuffers
 
 __all__ = ["reference", "reference_float64", "staging_nbytes", "two_shot_all_reduce_residual_rms_norm"]
@@ -75,16 +69,12 @@ def two_shot_all_reduce_residual_rms_norm(
     same group; default 0), or without ``staging`` of ``peers``' buffers (default: just
     after the input), which needs :func:`staging_nbytes` bytes there, clear of the input.
     """
-    mid, product, final = check_arguments(
-        input, residual, weight, upcast=upcast, mid_dtype=mid_dtype, out_dtype=out_dtype
+    launch = prepare_launch(
+        peers, input, residual, weight, upcast=upcast, mid_dtype=mid_dtype, out_dtype=out_dtype, max_block_n=max_block_n
     )
-    n_cols = input.shape[-1]
-    n_rows = input.numel() // max(n_cols, 1)
-    summed = torch.empty_like(input)
-    normed = torch.empty(input.shape, dtype=final, device=input.device)
-    rstd = torch.empty((*input.shape[:-1], 1), dtype=torch.float32, device=input.device)
-    if n_rows == 0 or n_cols == 0:
-        return summed, normed, rstd
+    if launch.constexprs is None:
+        return launch.outputs
+    n_rows, final = launch.n_rows, launch.out_dtype
     input_offset = peers.element_offset(input)
     input_start = input_offset * input.element_size()
     input_end = input_start + input.numel() * input.element_size()
@@ -102,9 +92,9 @@ def two_shot_all_reduce_residual_rms_norm(
             f"staging [{sum_at}, {end}) must fit rank {stage.rank}'s buffer of {stage.buffer_nbytes} bytes "
             f"clear of the input [{input_start}, {input_end}); allocate staging_nbytes() more"
         )
-    config = launch_config(peers, input, final, max_block_n=max_block_n)
+    constexprs = dict(launch.constexprs)
     if not stage.aligned:
-        config["VEC"] = 1
+        constexprs["VEC"] = 1
     rows_per_rank = -(-n_rows // peers.world_size)
     grid = (max(1, min(rows_per_rank, peers.max_blocks, max_blocks or peers.max_blocks)),)
     _two_shot_all_reduce_residual_rms_norm_kernel[grid](
@@ -117,17 +107,11 @@ def two_shot_all_reduce_residual_rms_norm(
         rstd_at // torch.float32.itemsize,
         residual,
         weight if weight is not None else residual,  # never read without HAS_WEIGHT
-        summed,
-        normed,
-        rstd,
+        *launch.outputs,
         n_rows,
-        n_cols,
+        launch.n_cols,
         float(eps),
         peers.rank,
-        WORLD_SIZE=peers.world_size,
-        HAS_WEIGHT=weight is not None,
-        MID_DTYPE=_tl_dtype(mid),
-        PRODUCT_DTYPE=_tl_dtype(product),
-        **config,
+        **constexprs,
     )
-    return summed, normed, rstd
+    return launch.outputs

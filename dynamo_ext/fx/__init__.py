@@ -1,0 +1,5 @@
+"""Reading FX graphs: node values (:mod:`.nodes`) and the collectives a graph issues (:mod:`.collectives`).
+
+One answer per question for every module that reads compiled graphs: the
+Inductor passes, the collective check and the audit.
+"""

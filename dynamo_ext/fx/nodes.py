@@ -1,0 +1,54 @@
+"""Small questions about one FX node, asked by every module that reads graphs.
+
+``val`` is the example value a node carries: ``meta["val"]`` (AOTAutograd's and
+Inductor's graphs, and the nodes our passes make), else ``meta["example_value"]``
+(Dynamo's output graph).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.fx
+
+__all__ = ["example_value", "is_call", "sole_user", "static_contiguous", "static_shape", "tensor_bytes"]
+
+
+def example_value(node: Any) -> Any:
+    """The example value of ``node`` (a ``FakeTensor``, a list of them, a SymInt ...); ``None`` for a non-node."""
+    if not isinstance(node, torch.fx.Node):
+        return None
+    return node.meta.get("val", node.meta.get("example_value"))
+
+
+def is_call(node: Any, *targets: Any) -> bool:
+    """Whether ``node`` is a ``call_function`` node calling one of ``targets``."""
+    return isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target in targets
+
+
+def sole_user(node: torch.fx.Node) -> torch.fx.Node | None:
+    """The one node that reads ``node``, ``None`` when there are none or several."""
+    return next(iter(node.users)) if len(node.users) == 1 else None
+
+
+def static_shape(value: Any) -> bool:
+    """Whether ``value`` is a tensor whose sizes are all plain ints (no SymInt)."""
+    return isinstance(value, torch.Tensor) and all(isinstance(s, int) for s in value.shape)
+
+
+def static_contiguous(value: Any) -> bool:
+    """Whether ``value`` is a contiguous tensor whose sizes and strides are all plain ints."""
+    return static_shape(value) and all(isinstance(s, int) for s in value.stride()) and value.is_contiguous()
+
+
+def tensor_bytes(value: Any) -> int:
+    """Bytes of a tensor, or the sum over a list/tuple of them; 0 for anything else.
+
+    Symbolic sizes give a SymInt (the caller decides whether it may be one).
+    """
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, (list, tuple)):
+        return sum(tensor_bytes(v) for v in value)
+    return 0
