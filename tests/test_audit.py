@@ -17,7 +17,6 @@ from expecttest import TestCase
 from torch._dynamo.utils import counters
 
 from dynamo_ext.audit import audit, diff_reports, gate, numerics, report_from_json
-from dynamo_ext.audit.collector import collective_sequence, collectives_in, parse_message
 from dynamo_ext.audit.identity import (
     break_id,
     fix_for,
@@ -27,6 +26,7 @@ from dynamo_ext.audit.identity import (
     user_frame_index,
 )
 from dynamo_ext.audit.merge import merge
+from dynamo_ext.audit.rank.collector import collective_sequence, collectives_in, parse_message
 
 
 # ---- hand-made events ---------------------------------------------------------------

@@ -15,9 +15,9 @@ import torch
 from helpers import fake_world
 
 from dynamo_ext.audit import audit, gate, report_from_json
-from dynamo_ext.audit.comm import _common_path, traffic_bytes
 from dynamo_ext.audit.comm_merge import eager_kind
 from dynamo_ext.audit.comm_render import human_bytes
+from dynamo_ext.audit.rank.comm import _common_path, traffic_bytes
 from dynamo_ext.node_origin import user_frame
 
 
@@ -108,7 +108,7 @@ def test_a_graph_the_analysis_fails_on_makes_the_report_incomplete_not_an_error(
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard
 
-    from dynamo_ext.audit.comm import CommTracer
+    from dynamo_ext.audit.rank.comm import CommTracer
 
     real = CommTracer.analyse
 
@@ -159,7 +159,7 @@ def _explicit(x):
 
 
 def test_explicit_collectives_bytes_overlap_and_unmodelled_time(monkeypatch):
-    from dynamo_ext.audit.comm import INTRA_BW_ENV
+    from dynamo_ext.audit.rank.comm import INTRA_BW_ENV
 
     x = torch.randn(4, 8)
     with fake_world(4):
@@ -233,7 +233,7 @@ def dist_group_world():
 def test_overlap_counts_compute_between_a_collective_and_its_wait():
     import torch.distributed as dist
 
-    from dynamo_ext.audit.comm import CommTracer
+    from dynamo_ext.audit.rank.comm import CommTracer
 
     with fake_world(4):
         group = dist.group.WORLD.group_name

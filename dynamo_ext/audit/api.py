@@ -8,10 +8,10 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from .collector import Collector, dynamo_counters
 from .identity import target_root
 from .merge import merge
 from .numerics import as_step, check_step
+from .rank.collector import Collector, dynamo_counters
 from .records import AuditReport
 
 

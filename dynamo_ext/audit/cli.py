@@ -185,7 +185,7 @@ def _audit(argv: list[str]) -> int:
     for flag, bw in (("--intra-node-bw", args.intra_node_bw), ("--inter-node-bw", args.inter_node_bw)):
         if bw is not None and not bw > 0:
             return fail(f"{flag} must be a positive bandwidth in GB/s, got {bw:g}")
-    from .comm import INTER_BW_ENV, INTRA_BW_ENV
+    from .rank.comm import INTER_BW_ENV, INTRA_BW_ENV
 
     # Read by each rank's communication report (the ranks inherit the environment).
     for env, bw in ((INTRA_BW_ENV, args.intra_node_bw), (INTER_BW_ENV, args.inter_node_bw)):

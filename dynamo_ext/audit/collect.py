@@ -55,8 +55,8 @@ import traceback
 from collections.abc import MutableMapping
 from typing import Any
 
-from .collector import Collector, JsonlSink, dynamo_counters
 from .identity import is_torch_file, normalize_path, target_root, user_frame_index
+from .rank.collector import Collector, JsonlSink, dynamo_counters
 
 log = logging.getLogger(__name__)
 

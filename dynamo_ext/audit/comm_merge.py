@@ -25,7 +25,7 @@ from collections import defaultdict
 from collections.abc import Iterator
 from typing import Any
 
-from .comm import TRAFFIC
+from .rank.comm import TRAFFIC
 from .records import Collective, Comm, CountDifference, ModuleComm
 
 # CommDebugMode's c10d op names -> traffic kind.

@@ -32,9 +32,9 @@ import re
 from collections.abc import Iterator
 from typing import Any
 
-from .collector import Collector, _collapse_resume, parse_message
 from .identity import is_distributed_cause, normalize_path, target_root, user_frame_index
 from .merge import Merger
+from .rank.collector import Collector, _collapse_resume, parse_message
 from .records import AuditReport
 
 TRACE_FILE = re.compile(r"^dedicated_log_torch_trace(?:_rank_(\d+))?_.*\.log$")

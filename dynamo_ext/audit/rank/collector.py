@@ -39,9 +39,9 @@ from typing import Any
 
 import torch
 
-from .. import _compat
+from ... import _compat
+from ..identity import is_distributed_cause, normalize_path, user_frame_index
 from .comm import CommTracer
-from .identity import is_distributed_cause, normalize_path, user_frame_index
 
 TRACE_LOGGER = "torch.__trace"
 GRAPH_BREAK_LOGGERS = ("torch._dynamo.convert_frame.__graph_breaks", "torch._dynamo.symbolic_convert.__graph_breaks")

@@ -51,10 +51,10 @@ from typing import Any
 
 import torch
 
-from .. import _compat
-from ..node_origin import group_name, stack_frames, user_frame
-from ..variables import fsdp_sources
-from .identity import normalize_path
+from ... import _compat
+from ...node_origin import group_name, stack_frames, user_frame
+from ...variables import fsdp_sources
+from ..identity import normalize_path
 
 log = logging.getLogger(__name__)
 
@@ -297,7 +297,7 @@ class CommTracer:
         """Mesh axis names of the groups of every DTensor in ``gm`` and of every mesh a compiled frame used
         (``variables.device_mesh.traced_meshes``: a collective on ``mesh.get_group()`` with no DTensor of that
         mesh in the graph); module paths of its stack traces."""
-        from ..variables.device_mesh import traced_meshes
+        from ...variables.device_mesh import traced_meshes
 
         for mesh in traced_meshes():
             if id(mesh) not in self._meshes_seen:
