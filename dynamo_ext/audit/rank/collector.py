@@ -60,7 +60,8 @@ _DROP_ABOVE = (
     os.path.join(_TORCH_DIR, "_dynamo"),
     os.path.join(_TORCH_DIR, "nn", "modules", "module.py"),
     os.path.dirname(logging.__file__),
-    *(os.path.join(os.path.dirname(__file__), f) for f in ("collect.py", "api.py", "collector.py")),
+    *(os.path.join(os.path.dirname(__file__), f) for f in ("collect.py", "collector.py")),
+    os.path.join(os.path.dirname(os.path.dirname(__file__)), "api.py"),
     "<frozen ",
 )
 

@@ -58,7 +58,7 @@ from ..identity import normalize_path
 
 log = logging.getLogger(__name__)
 
-_PKG_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+_PKG_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) + os.sep
 _INLINED = re.compile(r"^aot(\d+)_")
 _TEXT_COLLECTIVE = re.compile(r"_c10d_functional\.(?!wait_tensor)\w+")
 _ROOT_KEY = re.compile(r"^L\['[^']*'\]\.?")
