@@ -93,8 +93,8 @@ def main() -> int:
     p.add_argument("--keep", metavar="DIR", help="write the rank files here and keep them")
     args = p.parse_args()
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from dynamo_ext.audit.rank_files import merge_dir
-    from dynamo_ext.audit.render import render_text
+    from dynamo_ext.audit.merge.rank_files import merge_dir
+    from dynamo_ext.audit.render.text import render_text
 
     work = args.keep or tempfile.mkdtemp(prefix="bench-audit-merge-")
     try:

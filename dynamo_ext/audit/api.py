@@ -8,11 +8,11 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from .identity import target_root
-from .merge import merge
-from .numerics import as_step, check_step
+from .merge.merger import merge
+from .model.records import AuditReport
 from .rank.collector import Collector, dynamo_counters
-from .records import AuditReport
+from .rank.identity import target_root
+from .rank.numerics import as_step, check_step
 
 
 def _source_file(fn: Any) -> str | None:
@@ -60,7 +60,7 @@ def audit(
     (:func:`.identity.target_root`).  An exception from ``fn`` propagates.
 
     ``check_numerics``: a ``make_step`` callable (docs/audit.md, "Numerics
-    check"; :mod:`.numerics`); after the audited call, its step runs eagerly and
+    check"; :mod:`.rank.numerics`); after the audited call, its step runs eagerly and
     compiled from the same state and ``report.numerics`` says which tensors
     differ (``rtol``/``atol``: as ``torch.testing.assert_close``, both or neither).
     Its compiles are not part of the audit's counts.

@@ -4,7 +4,7 @@ The local audit is launch + collect + merge, the same path as a multi-node
 job: the ranks are started by ``python -m torch.distributed.run --standalone``
 (torchrun: the elastic agent, c10d rendezvous on a free port), in its own
 session so a timeout can end the whole tree.  Each rank runs
-:mod:`.collect`; its stdout/stderr go to per-rank log files (torchrun's
+:mod:`.rank.collect`; its stdout/stderr go to per-rank log files (torchrun's
 ``--log-dir --redirects 3``) and its events to ``rank<R>.jsonl``, which this
 module tails while the ranks run (progress) and then merges with
 :func:`.rank_files.merge_dir`, adding what only the launcher knows (timeouts,
@@ -33,9 +33,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from .merge import Merger
-from .rank_files import merge_dir
-from .records import AuditReport
+from .merge.merger import Merger
+from .merge.rank_files import merge_dir
+from .model.records import AuditReport
 
 GRACE_S = 10.0
 _FAILURE = re.compile(r"rank\s*:\s*(\d+)\s*\(local_rank[^\n]*\n\s*exitcode\s*:\s*(-?\d+)")
@@ -235,7 +235,7 @@ def run_ranks(
     Never raises for a failure of the target: the report's ``errors`` and rank
     statuses say what happened.  ``check_numerics``: each rank then runs the
     target's ``make_step()`` compiled and eagerly and compares (``rtol``/``atol``,
-    see :mod:`.numerics`); the result is ``report.numerics``.
+    see :mod:`.rank.numerics`); the result is ``report.numerics``.
     """
     work = tempfile.mkdtemp(prefix="dynamo-ext-audit-")
     logs = os.path.join(work, "logs")

@@ -25,8 +25,8 @@ from typing import Any
 import pytest
 
 from .api import audit
-from .diff import gate
-from .records import AuditReport, load_report
+from .gate.diff import gate
+from .model.records import AuditReport, load_report
 
 
 class AuditGate:

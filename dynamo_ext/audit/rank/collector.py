@@ -40,8 +40,8 @@ from typing import Any
 import torch
 
 from ... import _compat
-from ..identity import is_distributed_cause, normalize_path, user_frame_index
 from .comm import CommTracer
+from .identity import is_distributed_cause, normalize_path, user_frame_index
 
 TRACE_LOGGER = "torch.__trace"
 GRAPH_BREAK_LOGGERS = ("torch._dynamo.convert_frame.__graph_breaks", "torch._dynamo.symbolic_convert.__graph_breaks")
@@ -61,7 +61,7 @@ _DROP_ABOVE = (
     os.path.join(_TORCH_DIR, "nn", "modules", "module.py"),
     os.path.dirname(logging.__file__),
     *(os.path.join(os.path.dirname(__file__), f) for f in ("collect.py", "collector.py")),
-    os.path.join(os.path.dirname(os.path.dirname(__file__)), "api.py"),
+    *(os.path.join(os.path.dirname(os.path.dirname(__file__)), f) for f in ("api.py", "collect.py")),
     "<frozen ",
 )
 

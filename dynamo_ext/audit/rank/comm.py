@@ -54,7 +54,7 @@ import torch
 from ... import _compat
 from ...node_origin import group_name, stack_frames, user_frame
 from ...variables import fsdp_sources
-from ..identity import normalize_path
+from .identity import normalize_path
 
 log = logging.getLogger(__name__)
 

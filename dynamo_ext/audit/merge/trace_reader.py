@@ -32,10 +32,10 @@ import re
 from collections.abc import Iterator
 from typing import Any
 
-from .identity import is_distributed_cause, normalize_path, target_root, user_frame_index
-from .merge import Merger
-from .rank.collector import Collector, _collapse_resume, parse_message
-from .records import AuditReport
+from ..model.records import AuditReport
+from ..rank.collector import Collector, _collapse_resume, parse_message
+from ..rank.identity import is_distributed_cause, normalize_path, target_root, user_frame_index
+from .merger import Merger
 
 TRACE_FILE = re.compile(r"^dedicated_log_torch_trace(?:_rank_(\d+))?_.*\.log$")
 _GLOG = re.compile(r"^[VIWEC]\d{4} [\d:.]+ +\d+ [^\]]*\] (\{.*\})\s*$")

@@ -34,8 +34,18 @@ from typing import Any
 
 import torch
 
-from .identity import break_id, fix_for
-from .records import AuditReport, Frame, Fusion, Graph, GraphBreak, Numerics, NumericsMismatch, RankSummary, Recompile
+from ..model.records import (
+    AuditReport,
+    Frame,
+    Fusion,
+    Graph,
+    GraphBreak,
+    Numerics,
+    NumericsMismatch,
+    RankSummary,
+    Recompile,
+)
+from ..rank.identity import break_id, fix_for
 
 _RESUME = re.compile(r"^torch_dynamo_resume_in_(.+)_at_(\d+)$")
 _CID_PREFIX = re.compile(r"^\s*!?[\d/]+:\s*", re.M)
@@ -97,7 +107,7 @@ class Merger:
         self._numerics: dict[int, dict[str, Any]] = {}
         self._internal: list[str] = []
         self._plugin: dict[str, Any] = {}
-        # The events .comm_merge.merge_comm reads, for ranks that recorded a communication report.
+        # The events .comm.merge_comm reads, for ranks that recorded a communication report.
         self._comm_events: dict[int, list[dict[str, Any]]] = {}
 
     def _intern(self, seq: list[str]) -> tuple[str, ...]:
@@ -258,7 +268,7 @@ class Merger:
                 for r in recompiles
             )
         summaries = tuple(self._rank_summary(r, statuses[r]) for r in covered)
-        from .comm_merge import merge_comm
+        from .comm import merge_comm
 
         return AuditReport(
             target=target,

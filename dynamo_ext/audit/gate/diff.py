@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from .records import AuditReport, GraphBreak
+from ..model.records import AuditReport, GraphBreak
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,7 +114,7 @@ def read_gate_arguments(args: argparse.Namespace) -> tuple[AuditReport | None, s
         return None, f"--comm-budget must be a number of bytes >= 0, got {args.comm_budget}"
     if not args.baseline:
         return None, None
-    from .records import load_report
+    from ..model.records import load_report
 
     try:
         return load_report(args.baseline), None

@@ -1,6 +1,6 @@
 """The audit's data: frozen records, merged across ranks, and their JSON form.
 
-A rank's collector (:mod:`.collector`) writes plain event dicts; :mod:`.merge`
+A rank's collector (:mod:`..rank.collector`) writes plain event dicts; :mod:`..merge`
 turns the events of every rank into one :class:`AuditReport`.  The JSON form
 (:meth:`AuditReport.to_json`) is the stable schema documented in
 ``docs/audit.md``; :func:`report_from_json` reads it back (for ``diff`` and
@@ -373,7 +373,7 @@ class AuditReport:
     run without the plugin when ``--compare-stock`` was given.  ``numerics`` is
     the numerics check (``None`` when it did not run).  ``notes``: what the
     input could not say (a ``TORCH_TRACE`` directory has no exit statuses,
-    numerics or plugin state: :mod:`.trace_reader`).
+    numerics or plugin state: :mod:`..merge.trace_reader`).
     """
 
     target: str
@@ -443,7 +443,7 @@ class AuditReport:
         return _to_plain(self)
 
     def __str__(self) -> str:
-        from .render import render_text
+        from ..render.text import render_text
 
         return render_text(self)
 

@@ -3,7 +3,7 @@
 ``merge_dir(DIR)`` is what ``dynamo-ext audit merge DIR`` and the local
 ``dynamo-ext audit --nproc N`` both call: the files are read one at a time and
 folded by :class:`.merge.Merger` (NOTE [streaming merge]).  The world size
-comes from the files' headers (NOTE [rank file] in :mod:`.collect`); a rank
+comes from the files' headers (NOTE [rank file] in :mod:`..rank.collect`); a rank
 the headers promise but the directory lacks is ``missing``, a file without its
 ``end`` line was cut short (``died``), and both are named with their host.  A
 directory without rank files but with ``TORCH_TRACE`` logs is read by
@@ -19,8 +19,8 @@ import re
 from collections.abc import Iterator
 from typing import Any
 
-from .merge import Merger
-from .records import AuditReport
+from ..model.records import AuditReport
+from .merger import Merger
 
 logger = logging.getLogger(__name__)
 

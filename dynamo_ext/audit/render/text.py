@@ -9,8 +9,8 @@ from rich.console import Console, Group
 from rich.table import Table
 from rich.text import Text
 
-from .ranges import format_counts, format_ranks, group_by
-from .records import AuditReport, GraphBreak, RankSummary
+from ..model.ranges import format_counts, format_ranks, group_by
+from ..model.records import AuditReport, GraphBreak, RankSummary
 
 _NONE = "-"
 
@@ -201,7 +201,7 @@ def renderables(report: AuditReport) -> Group:
             parts.append(extra)
     parts.append(_ranks_table(report))
     if report.comm is not None:
-        from .comm_render import comm_renderables
+        from .comm import comm_renderables
 
         parts.append(comm_renderables(report.comm))
     num = report.numerics

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from html import escape
 
-from .ranges import format_counts, format_ranks
-from .records import AuditReport, GraphBreak
+from ..model.ranges import format_counts, format_ranks
+from ..model.records import AuditReport, GraphBreak
 
 _CSS = """
 body{font:14px system-ui,sans-serif;margin:1.5em;color:#222}
@@ -139,7 +139,7 @@ def render_html(report: AuditReport) -> str:
         for r in report.ranks
     ]
     errors = "".join(f'<p class="bad">error: {escape(e)}</p>' for e in report.errors)
-    if report.stock is not None and report.stock.failures:  # NOTE [stock failures are findings] in render.py
+    if report.stock is not None and report.stock.failures:  # NOTE [stock failures are findings] in render/text.py
         errors += (
             '<p class="skip">Stock run (without the plugin) failed; a finding of the stock column, not an error of '
             "the audit:</p><ul>" + "".join(f"<li>stock: {escape(f)}</li>" for f in report.stock.failures) + "</ul>"
@@ -165,7 +165,7 @@ def render_html(report: AuditReport) -> str:
         )
     comm_html = ""
     if report.comm is not None:
-        from .comm_render import comm_html as _comm_html
+        from .comm import comm_html as _comm_html
 
         comm_html = _comm_html(report.comm)
     stock_line = ""
