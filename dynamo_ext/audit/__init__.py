@@ -22,6 +22,7 @@ baseline, diff), :mod:`.targets` (bundled targets); then :mod:`.launch`,
 from typing import Any
 
 from .gate.diff import BreakDiff, diff_reports, gate
+from .model.io import load_report, report_from_json
 from .model.records import (
     AuditReport,
     Frame,
@@ -32,10 +33,9 @@ from .model.records import (
     NumericsMismatch,
     RankSummary,
     Recompile,
-    load_report,
-    report_from_json,
 )
 from .rank.numerics import Step, check_step
+from .render import text as _text  # noqa: F401  (registers str(report): NOTE [report text] in model/records.py)
 
 __all__ = [
     "AuditReport",

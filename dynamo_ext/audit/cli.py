@@ -355,7 +355,7 @@ def _merge(argv: list[str]) -> int:
 def _diff(argv: list[str]) -> int:
     args = _subparser("diff").parse_args(argv)
     from .gate.diff import diff_reports
-    from .model.records import load_report
+    from .model.io import load_report
 
     try:
         old, new = load_report(args.old), load_report(args.new)

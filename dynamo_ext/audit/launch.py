@@ -35,6 +35,7 @@ from typing import Any
 
 from .merge.merger import Merger
 from .merge.rank_files import merge_dir
+from .model.kinds import RankStatus
 from .model.records import AuditReport
 
 GRACE_S = 10.0
@@ -321,38 +322,50 @@ def run_ranks(
         log = _rank_logs(logs, r)
         code = exit_codes.get(r)
         if err is not None and not terminated:
-            statuses[r] = {"status": "error", "error": err["message"], "log": log, "time": err.get("time", 0.0)}
+            statuses[r] = {
+                "status": RankStatus.ERROR,
+                "error": err["message"],
+                "log": log,
+                "time": err.get("time", 0.0),
+            }
         elif p.done and not terminated:
-            statuses[r] = {"status": "ok", "log": log}
+            statuses[r] = {"status": RankStatus.OK, "log": log}
         elif timed_out:
-            statuses[r] = {"status": "timeout", "error": f"still running after {timeout:g} s, {_where(p)}", "log": log}
+            statuses[r] = {
+                "status": RankStatus.TIMEOUT,
+                "error": f"still running after {timeout:g} s, {_where(p)}",
+                "log": log,
+            }
         elif (terminated or code == -int(signal.SIGTERM)) and (exit_codes.keys() - {r}):
             # SIGKILL without the Terminated record is not the launcher's doing (it sends SIGTERM first): died.
             statuses[r] = {
-                "status": "stopped",
+                "status": RankStatus.STOPPED,
                 "error": "stopped by the launcher after another rank failed",
                 "log": log,
             }
         else:
             why = "no exit status" if code is None else f"exit code {code}" + (f" (signal {-code})" if code < 0 else "")
-            statuses[r] = {"status": "died", "error": f"rank {r} ended without finishing ({why})", "log": log}
+            statuses[r] = {"status": RankStatus.DIED, "error": f"rank {r} ended without finishing ({why})", "log": log}
     # The root cause first: a rank that died (killed, or exited without a word: its peers' collectives then fail,
     # so their errors are consequences), then torchrun's "first observed failure", else the earliest error.
     failed = sorted(
-        (r for r, s in statuses.items() if s["status"] in ("error", "died")), key=lambda r: statuses[r].get("time", 0.0)
+        (r for r, s in statuses.items() if s["status"] in (RankStatus.ERROR, RankStatus.DIED)),
+        key=lambda r: statuses[r].get("time", 0.0),
     )
     if root and int(root[0][0]) in failed:
         failed.remove(int(root[0][0]))
         failed.insert(0, int(root[0][0]))
-    failed.sort(key=lambda r: statuses[r]["status"] != "died")
+    failed.sort(key=lambda r: statuses[r]["status"] != RankStatus.DIED)
     errors: list[str] = []
     if timed_out:
-        errors.append(_timeout_line(progress, [r for r, s in statuses.items() if s["status"] == "timeout"], timeout))
+        errors.append(
+            _timeout_line(progress, [r for r, s in statuses.items() if s["status"] == RankStatus.TIMEOUT], timeout)
+        )
     if interrupted:
         errors.append("interrupted; ranks killed")
     for r in failed:
         s = statuses[r]
-        errors.append(f"rank {r} raised {s['error']}" if s["status"] == "error" else s["error"])
+        errors.append(f"rank {r} raised {s['error']}" if s["status"] == RankStatus.ERROR else s["error"])
     for s in statuses.values():
         s.pop("time", None)
     if not any(p.started for p in progress.values()):

@@ -26,7 +26,8 @@ import pytest
 
 from .api import audit
 from .gate.diff import gate
-from .model.records import AuditReport, load_report
+from .model.io import load_report
+from .model.records import AuditReport
 
 
 class AuditGate:

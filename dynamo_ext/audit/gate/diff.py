@@ -114,7 +114,7 @@ def read_gate_arguments(args: argparse.Namespace) -> tuple[AuditReport | None, s
         return None, f"--comm-budget must be a number of bytes >= 0, got {args.comm_budget}"
     if not args.baseline:
         return None, None
-    from ..model.records import load_report
+    from ..model.io import load_report
 
     try:
         return load_report(args.baseline), None

@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from ..model.kinds import BreakKind, MismatchKind, RankStatus
 from ..model.records import (
     AuditReport,
     Frame,
@@ -141,7 +142,7 @@ class Merger:
                 comm.append({k: e.get(k) for k in ("ev", "compile_id", "file", "line", "function", "recompile_reason")})
             if ev == "break":
                 self._add_break(rank, e)
-                info["frame_skips" if e["kind"] == "frame_skip" else "graph_breaks"] += 1
+                info["frame_skips" if e["kind"] == BreakKind.FRAME_SKIP else "graph_breaks"] += 1
             elif ev == "compile":
                 info["compile_time_s"] += float(e.get("time_s") or 0.0)
                 if e.get("recompile_reason"):
@@ -245,10 +246,12 @@ class Merger:
             info = self._ranks.get(r, {})
             st = statuses.setdefault(r, {})
             if "status" not in st:
-                st["status"] = "error" if info.get("error") else ("ok" if info.get("end") else "died")
+                st["status"] = (
+                    RankStatus.ERROR if info.get("error") else (RankStatus.OK if info.get("end") else RankStatus.DIED)
+                )
             if not st.get("error") and info.get("error"):
                 st["error"] = info["error"]
-        ok = {r for r, s in statuses.items() if s.get("status") == "ok"}
+        ok = {r for r, s in statuses.items() if s.get("status") == RankStatus.OK}
         ref = ok or set(self._ranks)
         multi = len(ref) > 1
         recompiles = self._recompile_records(ref, multi)
@@ -328,7 +331,7 @@ class Merger:
             breaks.append(
                 GraphBreak(
                     id=bid,
-                    kind="frame_skip" if "frame_skip" in g["kinds"] else "graph_break",
+                    kind=BreakKind.FRAME_SKIP if BreakKind.FRAME_SKIP in g["kinds"] else BreakKind.GRAPH_BREAK,
                     gb_type=e["gb_type"],
                     wrapper=", ".join(sorted(g["wrappers"])),
                     file=user.file,
@@ -390,7 +393,7 @@ class Merger:
         counters = (end or {}).get("counters", {})
         return RankSummary(
             rank=r,
-            status=st["status"],
+            status=RankStatus(st["status"]),
             error=st.get("error", "") or "",
             graph_breaks=info.get("graph_breaks", 0),
             frame_skips=info.get("frame_skips", 0),
@@ -439,7 +442,7 @@ def _numerics(per_rank: dict[int, dict[str, Any]]) -> Numerics | None:
             NumericsMismatch(
                 rank=r,
                 index=int(m["index"]),
-                kind=m["kind"],
+                kind=MismatchKind(m["kind"]),
                 name=m["name"],
                 detail=m.get("detail", ""),
                 max_abs=m.get("max_abs"),

@@ -19,14 +19,13 @@ import re
 from collections.abc import Iterator
 from typing import Any
 
+from ..model.kinds import INCOMPLETE, RankStatus
 from ..model.records import AuditReport
 from .merger import Merger
 
 logger = logging.getLogger(__name__)
 
 RANK_FILE = re.compile(r"^rank(\d+)\.jsonl$")
-# Statuses that mean the rank's findings are incomplete.
-INCOMPLETE = ("error", "died", "timeout", "stopped", "missing")
 
 
 def rank_files(directory: str) -> dict[int, str]:
@@ -82,15 +81,20 @@ class _RankFile:
     def status(self) -> dict[str, Any]:
         """This rank's status from what its file holds (see :class:`.records.RankSummary`)."""
         if self.error is not None:
-            st = "stopped" if self.error.get("type") == "Terminated" else "error"
+            st = RankStatus.STOPPED if self.error.get("type") == "Terminated" else RankStatus.ERROR
             return {"status": st, "error": self.error.get("message", "")}
         if self.end is not None:
             code = int(self.end.get("status") or 0)
-            return {"status": "ok"} if code == 0 else {"status": "error", "error": f"exit status {code}"}
+            return (
+                {"status": RankStatus.OK} if code == 0 else {"status": RankStatus.ERROR, "error": f"exit status {code}"}
+            )
         if not self.header:
-            return {"status": "died", "error": "rank file has no header: the process ended before writing anything"}
+            return {
+                "status": RankStatus.DIED,
+                "error": "rank file has no header: the process ended before writing anything",
+            }
         return {
-            "status": "died",
+            "status": RankStatus.DIED,
             "error": f"rank file cut short after {self.events} record(s) (last: {self.last}"
             + (", then a torn line" if self.torn else "")
             + "): the process was killed before it finished",
@@ -179,7 +183,7 @@ def merge_dir(
         host, node = _infer_host(rank, headers)
         where = f"host {host}, node {node}" if host else "host unknown"
         found[rank] = {
-            "status": "missing",
+            "status": RankStatus.MISSING,
             "error": f"no rank file for rank {rank} of {world} ({where}): the rank never started or wrote elsewhere",
             "host": host,
             "node_rank": node,

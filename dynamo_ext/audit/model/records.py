@@ -1,20 +1,39 @@
-"""The audit's data: frozen records, merged across ranks, and their JSON form.
+"""The audit's data: frozen records, merged across ranks.
 
-A rank's collector (:mod:`..rank.collector`) writes plain event dicts; :mod:`..merge`
-turns the events of every rank into one :class:`AuditReport`.  The JSON form
-(:meth:`AuditReport.to_json`) is the stable schema documented in
-``docs/audit.md``; :func:`report_from_json` reads it back (for ``diff`` and
-``--baseline``).  ``str(report)`` is the terminal report without colour.
+A rank's collector (:mod:`..rank.collector`) writes rank-file events (:mod:`..schema`);
+:mod:`..merge` turns the events of every rank into one :class:`AuditReport`.  The JSON
+form (:meth:`AuditReport.to_json`, by the generic :mod:`.codec`) is the stable schema
+documented in ``docs/audit.md`` and generated into ``report.schema.json``
+(:mod:`.json_schema`); :func:`.io.report_from_json` reads it back (for ``diff`` and
+``--baseline``).  ``str(report)`` is the terminal report without colour
+(NOTE [report text]).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
-from typing import Any
+from collections.abc import Callable
+from typing import Any, ClassVar
+
+from . import codec
+from .comm import Collective, Comm, CountDifference, ModuleComm  # noqa: F401  (AuditReport.comm; importers use these names)
+from .kinds import BreakKind, MismatchKind, RankStatus
+from .ranges import format_ranks, group_by
 
 # Bump on an incompatible change of the JSON layout; adding keys is compatible.
 SCHEMA_VERSION = 1
+
+# NOTE [report text]
+# ``str(report)`` is the terminal report, but the renderer (``render/text.py``) reads the model, so the
+# model cannot import it back: the renderer registers itself here when it loads, and
+# ``dynamo_ext/audit/__init__.py`` loads it.  A package's ``__init__`` runs before any of its modules,
+# so every process that has an :class:`AuditReport` has the renderer.
+_text_renderer: list[Callable[[AuditReport], str]] = []
+
+
+def register_text_renderer(render: Callable[[AuditReport], str]) -> None:
+    """Make ``render(report)`` what ``str(report)`` returns (NOTE [report text]); the last one registered wins."""
+    _text_renderer[:] = [render]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,7 +51,7 @@ class GraphBreak:
     """One distinct graph break, merged over every rank that hit it.
 
     ``id`` is the stable identity ``gb_type | file:line | function``; it is what
-    ``--baseline`` and ``audit diff`` compare.  ``kind`` is ``"graph_break"``
+    ``--baseline`` and ``audit diff`` compare.  ``kind`` (:class:`.kinds.BreakKind`) is ``"graph_break"``
     (Dynamo split the frame; counted in ``counters["graph_break"]``) or
     ``"frame_skip"`` (Dynamo gave up on the whole frame and runs it eagerly;
     at least one occurrence did).
@@ -40,8 +59,12 @@ class GraphBreak:
     it in, if any (``"graph break in loop"``: the cause made a frame skip).
     """
 
+    __json_extra__: ClassVar[tuple[str, ...]] = ("count",)
+    # Reports written before breaks had a wrapper.
+    __json_defaults__: ClassVar[dict[str, Any]] = {"wrapper": ""}
+
     id: str
-    kind: str
+    kind: BreakKind
     gb_type: str
     wrapper: str
     file: str
@@ -99,8 +122,6 @@ class Fusion:
 
     def describe(self, graph_ranks: tuple[int, ...]) -> str:
         """``str(self)``, with the ranks when only some of the graph's ranks (``graph_ranks``) applied it."""
-        from .ranges import format_ranks
-
         return str(self) if self.ranks == graph_ranks else f"{self} [ranks {format_ranks(self.ranks)}]"
 
 
@@ -117,6 +138,8 @@ class Graph:
     ``fusions``: the fusions dynamo-ext's Inductor passes applied to it (forward
     and backward graph), each distinct one once, in the order first seen.
     """
+
+    __json_extra__: ClassVar[tuple[str, ...]] = ("op_count",)
 
     id: str
     function: str
@@ -142,6 +165,8 @@ class Graph:
 class Recompile:
     """One recompile reason (the failed guard, in words), merged over ranks."""
 
+    __json_extra__: ClassVar[tuple[str, ...]] = ("count",)
+
     id: str
     function: str
     file: str
@@ -161,11 +186,11 @@ class Recompile:
 class RankSummary:
     """What one rank did: its status and its own totals.
 
-    ``status`` is ``"ok"``, ``"error"`` (the target raised), ``"died"`` (the
+    ``status`` (:class:`.kinds.RankStatus`) is ``"ok"``, ``"error"`` (the target raised), ``"died"`` (the
     process ended without saying why; a rank file cut short), ``"timeout"``,
-    ``"stopped"`` (ended by the launcher after another rank failed) or
+    ``"stopped"`` (ended by the launcher after another rank failed),
     ``"missing"`` (no rank file: ``audit merge`` expected it from the world
-    size).  ``host``/``node_rank``/``local_rank``: where the rank ran, from its
+    size) or ``"unknown"`` (read from a TORCH_TRACE log, which does not say).  ``host``/``node_rank``/``local_rank``: where the rank ran, from its
     rank file's header (``""``/``None`` when unknown; for a missing rank the
     host is inferred from its node's other ranks, if any).  ``dynamo_graph_breaks``
     is ``sum(torch._dynamo.utils.counters["graph_break"].values())`` read on the
@@ -176,7 +201,7 @@ class RankSummary:
     """
 
     rank: int
-    status: str
+    status: RankStatus
     error: str
     graph_breaks: int
     frame_skips: int
@@ -196,7 +221,7 @@ class RankSummary:
 class NumericsMismatch:
     """One tensor that differs between the compiled and the eager step on one rank.
 
-    ``kind``: ``"output"`` (a path into what ``step`` returned: ``"loss"``,
+    ``kind`` (:class:`.kinds.MismatchKind`): ``"output"`` (a path into what ``step`` returned: ``"loss"``,
     ``"out[0]"``), ``"grad"`` (a parameter's gradient after ``backward``) or
     ``"param"`` (a parameter after the optimizer step), by parameter name;
     local shards for DTensors.  ``max_abs``/``max_rel``: the largest absolute
@@ -207,7 +232,7 @@ class NumericsMismatch:
 
     rank: int
     index: int
-    kind: str
+    kind: MismatchKind
     name: str
     detail: str
     max_abs: float | None
@@ -244,127 +269,6 @@ class Numerics:
 
 
 @dataclasses.dataclass(frozen=True)
-class Collective:
-    """One collective of one compiled graph, merged over the ranks that issue it (see docs/audit.md, "Communication").
-
-    ``graph``: the graph's identity (:class:`Graph` ``id``); ``graph_kind``:
-    ``"forward"`` / ``"backward"`` (AOTAutograd's) or ``"compiled_autograd"``;
-    ``index``: position among the graph's collectives.  ``op``: the functional
-    collective, ``kind`` its traffic class (``all_gather``, ``reduce_scatter``,
-    ``all_reduce``, ``all_to_all``, ``broadcast``).  ``group`` (process-group
-    name), ``group_size``, ``group_ranks``, ``mesh_axis`` (the mesh dimension
-    name of that group, ``""`` when no mesh has it).  Bytes are per rank:
-    ``bytes_in``/``bytes_out`` the collective's input and output,
-    ``sent``/``received`` what a ring algorithm moves (worst rank;
-    ``sent_by_rank`` for each).  ``est_ms``: ``torch._inductor.comm_analysis``'s
-    NCCL estimate (``None``: it could not estimate).  ``overlap_ops``: compute
-    ops between the collective and its wait in graph order (``None``: no wait in
-    the graph).  ``file``/``line``/``function``/``source``: the user line;
-    ``module``: the module path.  ``origin``: ``fsdp``, ``dtensor``, ``explicit``
-    or ``unknown``.  DTensor collectives: ``placements_before``/``after`` on
-    ``mesh_axis`` (``placements_basis``: ``graph`` when read from the Dynamo
-    graph's ``redistribute``, else implied by the collective) and
-    ``alternative`` (``alternative_basis`` ``"heuristic"``: a suggestion, not
-    verified).  ``inlined``: an AOT backward graph that compiled autograd
-    inlined; it never runs by itself and is left out of every total.
-    """
-
-    graph: str
-    graph_kind: str
-    phase: str
-    index: int
-    op: str
-    kind: str
-    group: str
-    group_size: int
-    group_ranks: tuple[int, ...]
-    mesh_axis: str
-    dtype: str
-    shape_in: str
-    shape_out: str
-    bytes_in: int
-    bytes_out: int
-    sent: int
-    received: int
-    est_ms: float | None
-    overlap_ops: int | None
-    file: str
-    line: int
-    function: str
-    source: str
-    module: str
-    origin: str
-    placements_before: str
-    placements_after: str
-    placements_basis: str
-    alternative: str
-    alternative_basis: str
-    ranks: tuple[int, ...]
-    sent_by_rank: tuple[tuple[int, int], ...]
-    inlined: bool = False
-
-    @property
-    def location(self) -> str:
-        return f"{self.file}:{self.line}" if self.file else "-"
-
-
-@dataclasses.dataclass(frozen=True)
-class ModuleComm:
-    """Collectives of one module in one phase (inlined graphs left out); bytes sent per rank (worst rank)."""
-
-    module: str
-    phase: str
-    count: int
-    sent: int
-    est_ms: float
-
-
-@dataclasses.dataclass(frozen=True)
-class CountDifference:
-    """Where the compiled collective count of one (phase, kind) differs from eager ``CommDebugMode``'s, and why.
-
-    ``compiled``/``eager``: the two counts; ``reasons``: one line per module (or the root's own, or
-    outside any module) whose counts differ, with its cause in words (NOTE [count differences] in
-    ``audit/comm_explain.py``); ``unexplained``: what no reason covers (``""`` when every difference
-    has one; else the report says MISMATCH).
-    """
-
-    phase: str
-    kind: str
-    compiled: int
-    eager: int
-    reasons: tuple[str, ...]
-    unexplained: str = ""
-
-
-@dataclasses.dataclass(frozen=True)
-class Comm:
-    """The communication report: every collective of every compiled graph, and totals.
-
-    ``bytes_per_step``: bytes one rank sends in one step (worst rank), each
-    compiled graph counted once (a graph that runs k times per step moves k
-    times that); what ``--comm-budget`` compares.  ``counts``: collectives per
-    (phase, kind), FSDP2's per-parameter collectives counted once per FSDP
-    group and phase as eager FSDP2 issues them (the like-with-like count);
-    ``eager_counts``: ``CommDebugMode``'s counts of the eager step, mapped to
-    the same kinds (``None``: the numerics check did not run); ``count_differences``: where
-    the two differ, and why (:class:`CountDifference`).  ``missing``: graphs
-    with collectives that were not analysed (the report and its totals are
-    incomplete; ``--comm-budget`` then fails).
-    """
-
-    collectives: tuple[Collective, ...]
-    modules: tuple[ModuleComm, ...]
-    bytes_per_step: int
-    bytes_by_rank: tuple[tuple[int, int], ...]
-    est_ms_per_step: float
-    counts: tuple[tuple[str, str, int], ...]
-    eager_counts: tuple[tuple[str, str, int], ...] | None = None
-    missing: tuple[str, ...] = ()
-    count_differences: tuple[CountDifference, ...] = ()
-
-
-@dataclasses.dataclass(frozen=True)
 class AuditReport:
     """Everything the audit found; ``str(report)`` is the terminal report.
 
@@ -375,6 +279,18 @@ class AuditReport:
     input could not say (a ``TORCH_TRACE`` directory has no exit statuses,
     numerics or plugin state: :mod:`..merge.trace_reader`).
     """
+
+    __json_extra__: ClassVar[tuple[str, ...]] = ("totals",)
+    # Keys reports of schema version 1 may lack (``world_size`` defaults to the number of ranks on read).
+    __json_defaults__: ClassVar[dict[str, Any]] = {
+        "target": "",
+        "backend": "",
+        "torch_version": "",
+        "plugin": {},
+        "graphs": (),
+        "recompiles": (),
+        "ranks": (),
+    }
 
     target: str
     world_size: int
@@ -420,10 +336,10 @@ class AuditReport:
         ``"rank R: "`` prefix is dropped so that equal failures group); the launcher's other lines
         (a timeout, a rank that died without a word) follow as they are.  Empty when :attr:`ok`.
         """
-        from .ranges import format_ranks, group_by
-
         raised = [
-            (r.rank, r.error.replace(f"rank {r.rank}: ", "", 1)) for r in self.ranks if r.status == "error" and r.error
+            (r.rank, r.error.replace(f"rank {r.rank}: ", "", 1))
+            for r in self.ranks
+            if r.status == RankStatus.ERROR and r.error
         ]
         lines = [f"rank{'s' if len(rs) > 1 else ''} {format_ranks(rs)} raised {msg}" for msg, rs in group_by(raised)]
         said = {r for r, _ in raised}
@@ -436,187 +352,33 @@ class AuditReport:
     @property
     def ok(self) -> bool:
         """Every rank finished and nothing went wrong in the launcher."""
-        return not self.errors and all(r.status == "ok" for r in self.ranks)
+        return not self.errors and all(r.status == RankStatus.OK for r in self.ranks)
+
+    @property
+    def totals(self) -> dict[str, Any]:
+        """What the CI gate compares, on the rank with the most of each (the JSON's ``totals``)."""
+        return {
+            "graph_breaks": self.total_breaks,
+            "recompiles": self.total_recompiles,
+            "graphs": max((r.graphs for r in self.ranks), default=0),
+            "hang_risks": list(self.hang_risks),
+            "numerics_mismatches": None if self.numerics is None else len(self.numerics.mismatches),
+            "comm_bytes_per_step": None if self.comm is None else self.comm.bytes_per_step,
+        }
 
     def to_json(self) -> dict[str, Any]:
-        """The documented JSON form (see docs/audit.md)."""
-        return _to_plain(self)
+        """The documented JSON form (see docs/audit.md; schema: ``report.schema.json``)."""
+        return {"schema_version": SCHEMA_VERSION, **codec.encode_fields(self)}
 
     def __str__(self) -> str:
-        from ..render.text import render_text
-
-        return render_text(self)
+        if not _text_renderer:
+            raise RuntimeError(
+                "no text renderer registered for AuditReport: import dynamo_ext.audit (it loads "
+                "dynamo_ext.audit.render.text, which registers it)"
+            )
+        return _text_renderer[0](self)
 
 
 def _distinct_seqs(g: Graph) -> list[tuple[str, tuple[str, ...]]]:
     """Ranks grouped by collective sequence (ranks lacking the graph show as ``[]`` when others have it)."""
-    from .ranges import format_ranks, group_by
-
     return [(format_ranks(rs), seq) for seq, rs in group_by(g.collective_sequence_by_rank)]
-
-
-def _to_plain(report: AuditReport) -> dict[str, Any]:
-    def conv(obj: Any) -> Any:
-        if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-            d = {f.name: conv(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
-            if isinstance(obj, (GraphBreak, Recompile)):
-                d["count"] = obj.count
-            if isinstance(obj, Graph):
-                d["op_count"] = obj.op_count
-            return d
-        if isinstance(obj, (tuple, list)):
-            return [conv(x) for x in obj]
-        if isinstance(obj, dict):
-            return {str(k): conv(v) for k, v in obj.items()}
-        return obj
-
-    out: dict[str, Any] = {"schema_version": SCHEMA_VERSION}
-    out.update(conv(dataclasses.replace(report, stock=None)))
-    out["stock"] = None if report.stock is None else _to_plain(report.stock)
-    out["totals"] = {
-        "graph_breaks": report.total_breaks,
-        "recompiles": report.total_recompiles,
-        "graphs": max((r.graphs for r in report.ranks), default=0),
-        "hang_risks": list(report.hang_risks),
-        "numerics_mismatches": None if report.numerics is None else len(report.numerics.mismatches),
-        "comm_bytes_per_step": None if report.comm is None else report.comm.bytes_per_step,
-    }
-    return out
-
-
-def _pairs(x: Any) -> tuple[tuple[int, int], ...]:
-    return tuple((int(a), int(b)) for a, b in x)
-
-
-def report_from_json(data: dict[str, Any]) -> AuditReport:
-    """Read back :meth:`AuditReport.to_json` output.
-
-    Raises:
-        ValueError: ``data`` is not an audit report or has a newer schema version.
-    """
-    if not isinstance(data, dict) or "graph_breaks" not in data:
-        raise ValueError("not a dynamo-ext audit report: expected a JSON object with a 'graph_breaks' key")
-    version = data.get("schema_version", 1)
-    if version > SCHEMA_VERSION:
-        raise ValueError(
-            f"audit report schema_version {version} is newer than this dynamo-ext reads ({SCHEMA_VERSION})"
-        )
-
-    def frames(xs: list[dict[str, Any]]) -> tuple[Frame, ...]:
-        return tuple(Frame(**x) for x in xs)
-
-    breaks = tuple(
-        GraphBreak(
-            **{
-                "wrapper": "",
-                **{k: v for k, v in b.items() if k != "count"},
-                "hints": tuple(b["hints"]),
-                "ranks": tuple(b["ranks"]),
-                "count_by_rank": _pairs(b["count_by_rank"]),
-                "stack": frames(b["stack"]),
-                "snippet": tuple((int(n), s) for n, s in b["snippet"]),
-            }
-        )
-        for b in data["graph_breaks"]
-    )
-    graphs = tuple(
-        Graph(
-            **{
-                **{k: v for k, v in g.items() if k != "op_count"},
-                "ranks": tuple(g["ranks"]),
-                "op_count_by_rank": _pairs(g["op_count_by_rank"]),
-                "collectives": tuple((a, int(b)) for a, b in g["collectives"]),
-                "backward_collectives": tuple((a, int(b)) for a, b in g["backward_collectives"]),
-                "collective_sequence_by_rank": tuple(
-                    (int(r), tuple(seq)) for r, seq in g.get("collective_sequence_by_rank", ())
-                ),
-                "fusions": tuple(Fusion(**{**f, "ranks": tuple(f["ranks"])}) for f in g.get("fusions", ())),
-            }
-        )
-        for g in data.get("graphs", [])
-    )
-    recompiles = tuple(
-        Recompile(
-            **{
-                **{k: v for k, v in r.items() if k != "count"},
-                "ranks": tuple(r["ranks"]),
-                "count_by_rank": _pairs(r["count_by_rank"]),
-            }
-        )
-        for r in data.get("recompiles", [])
-    )
-    ranks = tuple(RankSummary(**r) for r in data.get("ranks", []))
-    stock = data.get("stock")
-    num = data.get("numerics")
-    numerics = (
-        None
-        if num is None
-        else Numerics(
-            compared=int(num["compared"]),
-            ranks=tuple(num["ranks"]),
-            mismatches=tuple(NumericsMismatch(**m) for m in num["mismatches"]),
-        )
-    )
-    return AuditReport(
-        comm=_comm_from_json(data.get("comm")),
-        target=data.get("target", ""),
-        world_size=data.get("world_size", len(ranks)),
-        backend=data.get("backend", ""),
-        torch_version=data.get("torch_version", ""),
-        plugin=dict(data.get("plugin", {})),
-        graph_breaks=breaks,
-        graphs=graphs,
-        recompiles=recompiles,
-        ranks=ranks,
-        errors=tuple(data.get("errors", [])),
-        stock=None if stock is None else report_from_json(stock),
-        numerics=numerics,
-        notes=tuple(data.get("notes", ())),
-    )
-
-
-def _comm_from_json(c: dict[str, Any] | None) -> Comm | None:
-    if c is None:
-        return None
-
-    def triples(xs: Any) -> tuple[tuple[str, str, int], ...]:
-        return tuple((str(a), str(b), int(n)) for a, b, n in xs)
-
-    return Comm(
-        collectives=tuple(
-            Collective(
-                **{
-                    **x,
-                    "group_ranks": tuple(x["group_ranks"]),
-                    "ranks": tuple(x["ranks"]),
-                    "sent_by_rank": _pairs(x["sent_by_rank"]),
-                }
-            )
-            for x in c["collectives"]
-        ),
-        modules=tuple(ModuleComm(**m) for m in c["modules"]),
-        bytes_per_step=int(c["bytes_per_step"]),
-        bytes_by_rank=_pairs(c["bytes_by_rank"]),
-        est_ms_per_step=float(c["est_ms_per_step"]),
-        counts=triples(c["counts"]),
-        eager_counts=None if c.get("eager_counts") is None else triples(c["eager_counts"]),
-        missing=tuple(c.get("missing", ())),
-        count_differences=tuple(
-            CountDifference(**{**d, "reasons": tuple(d["reasons"])}) for d in c.get("count_differences", ())
-        ),
-    )
-
-
-def load_report(path: str) -> AuditReport:
-    """Read a JSON report written by ``--json``.
-
-    Raises:
-        ValueError: the file is not valid JSON or not an audit report.
-        FileNotFoundError: no such file.
-    """
-    with open(path, encoding="utf-8") as f:
-        try:
-            data = json.load(f)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path} is not valid JSON: {e}") from None
-    return report_from_json(data)

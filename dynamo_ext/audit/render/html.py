@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from html import escape
 
+from ..model.kinds import BreakKind, RankStatus
 from ..model.ranges import format_counts, format_ranks
 from ..model.records import AuditReport, GraphBreak
 
@@ -73,7 +74,7 @@ def _break_rows(report: AuditReport) -> list[str]:
     for n, bid in enumerate(ids, 1):
         b = mine.get(bid) or stock[bid]
         tags = []
-        if b.kind == "frame_skip":
+        if b.kind == BreakKind.FRAME_SKIP:
             tags.append(f'<span class="skip">frame skipped{": " + escape(b.wrapper) if b.wrapper else ""}</span>')
         if b.distributed:
             tags.append('<span class="dist">distributed</span>')
@@ -132,7 +133,7 @@ def render_html(report: AuditReport) -> str:
     ranks = [
         f'<tr class="rank-row"><td class="num">{r.rank}</td><td>{escape(r.host or "?")}'
         + (f" (node {r.node_rank})" if r.node_rank is not None else "")
-        + f'</td><td class="{"ok" if r.status == "ok" else "bad"}">{r.status}</td>'
+        + f'</td><td class="{"ok" if r.status == RankStatus.OK else "bad"}">{r.status}</td>'
         f'<td class="num">{r.graph_breaks}</td><td class="num">{r.frame_skips}</td><td class="num">{r.graphs}</td>'
         f'<td class="num">{r.recompiles}</td><td class="num">{r.compile_time_s:.2f}</td>'
         f"<td>{'-' if r.dynamo_graph_breaks is None else r.dynamo_graph_breaks}</td><td>{escape(r.error)}</td></tr>"
