@@ -13,6 +13,7 @@ from .model.records import AuditReport
 from .rank.collector import Collector, dynamo_counters
 from .rank.identity import target_root
 from .rank.numerics import as_step, check_step
+from .schema.events import FORMAT_VERSION, End, EventKind, Start, to_dict
 
 
 def _source_file(fn: Any) -> str | None:
@@ -84,14 +85,8 @@ def audit(
     before = dynamo_counters()
     source = _source_file(fn)
     collector = Collector(root=target_root(source) if source else None)
-    collector.record(
-        {
-            "ev": "start",
-            "rank": rank,
-            "pid": os.getpid(),
-            "plugin": {"installed": dynamo_ext.is_installed(), "version": dynamo_ext.__version__, "error": ""},
-        }
-    )
+    plugin = {"installed": dynamo_ext.is_installed(), "version": dynamo_ext.__version__, "error": ""}
+    collector.record(to_dict(Start(format_version=FORMAT_VERSION, rank=rank, pid=os.getpid(), plugin=plugin)))
     collector.start()
     finished = False
     try:
@@ -102,10 +97,12 @@ def audit(
         after = dynamo_counters()
         delta = {k: after[k] - before.get(k, 0) for k in after}
         delta["graph_break_missed"] = collector.dynamo_missed()
-        collector.record({"ev": "end", "counters": delta})
+        collector.record(to_dict(End(counters=delta)))
         try:
             if check_numerics is not None and finished:
-                collector.record({"ev": "numerics", **check_step(as_step(check_numerics()), rtol=rtol, atol=atol)})
+                collector.record(
+                    {"ev": EventKind.NUMERICS, **check_step(as_step(check_numerics()), rtol=rtol, atol=atol)}
+                )
         finally:
             counters.clear()
             counters.update(saved)

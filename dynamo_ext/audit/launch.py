@@ -37,6 +37,7 @@ from .merge.merger import Merger
 from .merge.rank_files import merge_dir
 from .model.kinds import RankStatus
 from .model.records import AuditReport
+from .schema.events import EventKind
 
 GRACE_S = 10.0
 _FAILURE = re.compile(r"rank\s*:\s*(\d+)\s*\(local_rank[^\n]*\n\s*exitcode\s*:\s*(-?\d+)")
@@ -268,21 +269,21 @@ def run_ranks(
                 p = progress[r]
                 ev = e.get("ev")
                 p.last = str(ev)
-                if ev == "start":
+                if ev == EventKind.START:
                     p.started = True
                     p.pid = int(e["pid"])
                     pids.append(p.pid)
-                elif ev == "break":
+                elif ev == EventKind.BREAK:
                     p.breaks += 1
-                elif ev == "compile":
+                elif ev == EventKind.COMPILE:
                     p.graphs += bool(e.get("has_graph"))
                     p.recompiles += bool(e.get("recompile_reason"))
-                elif ev == "error":
+                elif ev == EventKind.ERROR:
                     p.failed = True
                     p.error = p.error or e
-                elif ev == "end":
+                elif ev == EventKind.END:
                     p.done = True
-                elif ev == "stack":
+                elif ev == EventKind.STACK:
                     p.stack = e
         if on_progress is not None:
             on_progress(progress)

@@ -24,6 +24,7 @@ from collections import defaultdict
 from typing import Any
 
 from ..model.records import Collective, Comm, CountDifference, ModuleComm
+from ..schema import events as ev
 
 
 def _like_counted(colls: list[Collective]) -> list[Collective]:
@@ -50,7 +51,7 @@ def _like_counts(counted: list[Collective]) -> dict[tuple[str, str], int]:
 
 
 def merge_comm(
-    events_by_rank: dict[int, list[dict[str, Any]]], ref: set[int], graph_id_of: Any, breaks: tuple[str, ...] = ()
+    events_by_rank: dict[int, list[ev.Event]], ref: set[int], graph_id_of: Any, breaks: tuple[str, ...] = ()
 ) -> Comm | None:
     """One :class:`Comm` from every rank's ``comm_graph`` events; ``None`` when no rank sent one.
 
@@ -58,32 +59,32 @@ def merge_comm(
     ``ref``: the ranks whose records are shown (the finished ones); ``breaks``: ``"file:line"`` of
     the graph breaks, named where a count difference comes from code run eagerly.
     """
-    if not any(e["ev"] == "comm_graph" for evs in events_by_rank.values() for e in evs):
+    if not any(isinstance(e, ev.CommGraph) for evs in events_by_rank.values() for e in evs):
         return None
     missing = tuple(
-        f"rank {r}: {e['missing']}"
+        f"rank {r}: {e.missing}"
         for r, evs in sorted(events_by_rank.items())
         for e in evs
-        if e["ev"] == "comm_graph" and e.get("missing")
+        if isinstance(e, ev.CommGraph) and e.missing
     )
     unknown: list[str] = []
     rows: dict[tuple[str, str, int], dict[str, Any]] = {}
     order: list[tuple[str, str, int]] = []
     per_rank_sent: dict[int, int] = defaultdict(int)
     for rank, evs in sorted(events_by_rank.items()):
-        ids = {e["compile_id"]: graph_id_of(e) for e in evs if e["ev"] == "compile"}
-        graphs = [e for e in evs if e["ev"] == "comm_graph"]
-        inlined_ids = {i for g in graphs for i in g.get("inlined_aot_ids", ())}
+        ids = {e.compile_id: graph_id_of(e) for e in evs if isinstance(e, ev.Compile)}
+        graphs = [e for e in evs if isinstance(e, ev.CommGraph)]
+        inlined_ids = {i for g in graphs for i in g.inlined_aot_ids}
         seen: dict[tuple[str, str], int] = defaultdict(int)
         for g in graphs:
-            gid = ids.get(g["compile_id"], g["compile_id"])
-            inlined = g["graph"] == "backward" and g.get("aot_id") in inlined_ids
-            if g["graph"] == "backward" and g.get("aot_id") is None and inlined_ids and g["collectives"]:
+            gid = ids.get(g.compile_id, g.compile_id)
+            inlined = g.graph == "backward" and g.aot_id in inlined_ids
+            if g.graph == "backward" and g.aot_id is None and inlined_ids and g.collectives:
                 unknown.append(f"rank {rank}: {gid}: AOT backward graph without an aot_id: inlined or not is unknown")
-            base = seen[(gid, g["graph"])]  # a graph compiled twice with one identity: rows follow on
-            seen[(gid, g["graph"])] += len(g["collectives"])
-            for c in g["collectives"]:
-                key = (gid, g["graph"], base + int(c["index"]))
+            base = seen[(gid, g.graph)]  # a graph compiled twice with one identity: rows follow on
+            seen[(gid, g.graph)] += len(g.collectives)
+            for c in g.collectives:
+                key = (gid, g.graph, base + int(c["index"]))
                 if not inlined:
                     per_rank_sent[rank] += int(c["sent"])
                 row = rows.get(key)
@@ -101,8 +102,8 @@ def merge_comm(
         colls.append(
             Collective(
                 graph=key[0],
-                graph_kind=g["graph"],
-                phase="forward" if g["graph"] == "forward" else "backward",
+                graph_kind=g.graph,
+                phase="forward" if g.graph == "forward" else "backward",
                 index=key[2],
                 op=c["op"],
                 kind=c["kind"],
@@ -175,19 +176,17 @@ def merge_comm(
     )
 
 
-def _numerics_rank(events_by_rank: dict[int, list[dict[str, Any]]], ref: set[int]) -> int | None:
+def _numerics_rank(events_by_rank: dict[int, list[ev.Event]], ref: set[int]) -> int | None:
     """The first rank (finished ones first) whose ``numerics`` event has eager counts."""
     for rank in sorted(ref) + sorted(set(events_by_rank) - ref):
-        if any(e["ev"] == "numerics" and e.get("eager_comm") for e in events_by_rank.get(rank, [])):
+        if any(isinstance(e, ev.Numerics) and e.eager_comm for e in events_by_rank.get(rank, [])):
             return rank
     return None
 
 
-def _eager_counts(events_by_rank: dict[int, list[dict[str, Any]]], ref: set[int]) -> tuple | None:
+def _eager_counts(events_by_rank: dict[int, list[ev.Event]], ref: set[int]) -> tuple | None:
     rank = _numerics_rank(events_by_rank, ref)
     if rank is None:
         return None
-    e = next(e for e in events_by_rank[rank] if e["ev"] == "numerics" and e.get("eager_comm"))
-    return tuple(
-        (ph, k, int(n)) for ph in ("backward", "forward") for k, n in sorted(e["eager_comm"].get(ph, {}).items())
-    )
+    e = next(e for e in events_by_rank[rank] if isinstance(e, ev.Numerics) and e.eager_comm)
+    return tuple((ph, k, int(n)) for ph in ("backward", "forward") for k, n in sorted(e.eager_comm.get(ph, {}).items()))

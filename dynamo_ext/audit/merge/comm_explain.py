@@ -53,9 +53,9 @@ differences therefore add up to the total difference, and each gets a reason:
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Any
 
 from ..model.records import Collective, CountDifference
+from ..schema import events as ev
 
 OUTSIDE = "outside any module"
 ROOT = "<root>"
@@ -230,9 +230,9 @@ def _fsdp_totals(
     return text
 
 
-def eager_modules_of(events: list[dict[str, Any]], key: str = "modules") -> dict[str, dict[str, dict[str, int]]] | None:
+def eager_modules_of(events: list[ev.Event], key: str = "modules") -> dict[str, dict[str, dict[str, int]]] | None:
     """The per-module eager counts (``key``: ``"modules"`` or ``"modules_c10d"``) of a rank's ``numerics`` event."""
     for e in events:
-        if e["ev"] == "numerics" and e.get("eager_comm"):
-            return e["eager_comm"].get(key)
+        if isinstance(e, ev.Numerics) and e.eager_comm:
+            return e.eager_comm.get(key)
     return None

@@ -36,6 +36,7 @@ from ..model.kinds import BreakKind, RankStatus
 from ..model.records import AuditReport
 from ..rank.collector import Collector, _collapse_resume, parse_message
 from ..rank.identity import is_distributed_cause, normalize_path, target_root, user_frame_index
+from ..schema.events import EventKind
 from .merger import Merger
 
 TRACE_FILE = re.compile(r"^dedicated_log_torch_trace(?:_rank_(\d+))?_.*\.log$")
@@ -116,7 +117,7 @@ def break_event(md: dict[str, Any], payload: str, *, root: str | None) -> dict[s
     ca = md.get("compiled_autograd_id")
     frame = f"{md.get('frame_id')}/{md.get('frame_compile_id')}"
     return {
-        "ev": "break",
+        "ev": EventKind.BREAK,
         "kind": BreakKind.FRAME_SKIP if skipped else BreakKind.GRAPH_BREAK,
         "gb_type": first or "unknown graph break",
         "wrapper": wrapper,

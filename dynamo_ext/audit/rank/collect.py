@@ -22,7 +22,8 @@ the directory back.
 
 NOTE [rank file]
 JSON Lines, one event per line, flushed each time.  The first line is the
-header (``"ev": "start"``: rank, world size, local rank, local world size,
+header (``"ev": "start"``: the format version (NOTE [rank-file format] in
+``schema/events.py``), rank, world size, local rank, local world size,
 node rank, host, pid, launcher, torch and plugin versions, target, start
 time); then ``break``/``compile``/``error``/``numerics``/``internal`` events
 (:mod:`.collector`); the last is ``"ev": "end"`` with the exit status and the
@@ -55,6 +56,7 @@ import traceback
 from collections.abc import MutableMapping
 from typing import Any
 
+from ..schema.events import FORMAT_VERSION, End, Error, EventKind, Start, to_dict
 from .collector import Collector, JsonlSink, dynamo_counters
 from .identity import is_torch_file, normalize_path, target_root, user_frame_index
 
@@ -158,7 +160,7 @@ def stack_event(frame: Any, root: str | None) -> dict[str, Any]:
     in_graph = any(f.endswith("collective_check/stream.py") for f in files) and any(c["in_graph"] for c in collectives)
     in_check = any(f.endswith("collective_check/exchange.py") for f in files)
     return {
-        "ev": "stack",
+        "ev": EventKind.STACK,
         "stack": frames,
         "user_index": user_frame_index(files) if frames else 0,
         "in_distributed": any(f.startswith("torch/distributed/") for f in files) or in_graph or in_check,
@@ -291,12 +293,13 @@ def _error_event(exc: BaseException, root: str | None = None) -> dict[str, Any]:
     where = next((f for f in reversed(frames) if not is_torch_file(f[0]) and f[0] not in _OWN_FILES), None)
     first = (text.strip().splitlines() or [""])[0]
     loc = f" (at {normalize_path(where[0], root=root)}:{where[1]})" if where else ""
-    return {
-        "ev": "error",
-        "type": type(exc).__name__,
-        "message": f"{type(exc).__name__}: {first}{loc}",
-        "traceback": "".join(traceback.format_exception(exc)),
-    }
+    return to_dict(
+        Error(
+            type=type(exc).__name__,
+            message=f"{type(exc).__name__}: {first}{loc}",
+            traceback="".join(traceback.format_exception(exc)),
+        )
+    )
 
 
 def _run_function(target: str) -> None:
@@ -378,7 +381,7 @@ def _check_numerics(target: str, rtol: float | None, atol: float | None, observe
 
     if observed:  # NOTE [the target's own check]
         log.info("numerics: %d check_step call(s) of the audited run reported; make_step() not run", len(observed))
-        return {"ev": "numerics", **combine(observed)}
+        return {"ev": EventKind.NUMERICS, **combine(observed)}
     make_step = find_make_step(target)
     # A fresh Dynamo: the audited run's cache entries belong to other module instances.
     torch._dynamo.reset()
@@ -394,7 +397,7 @@ def _check_numerics(target: str, rtol: float | None, atol: float | None, observe
         return result
 
     result = _with_default_group(run, store_prefix="dynamo_ext_audit_numerics/")
-    return {"ev": "numerics", **result, "eager_comm": eager_comm}
+    return {"ev": EventKind.NUMERICS, **result, "eager_comm": eager_comm}
 
 
 def _parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -449,21 +452,23 @@ def main(argv: list[str] | None = None) -> int:
             install_error = e
             plugin["error"] = f"dynamo_ext.install() failed: {type(e).__name__}: {e}"
     collector.record(
-        {
-            "ev": "start",
-            **identity,
-            "pid": os.getpid(),
-            "torch_version": torch.__version__,
-            "plugin": plugin,
-            "target": ns.target,
-            "time": time.time(),
-        }
+        to_dict(
+            Start(
+                format_version=FORMAT_VERSION,
+                **identity,
+                pid=os.getpid(),
+                torch_version=torch.__version__,
+                plugin=plugin,
+                target=ns.target,
+                time=time.time(),
+            )
+        )
     )
     if install_error is not None:
         ev = _error_event(install_error)
         ev["message"] = plugin["error"]
         collector.record(ev)
-        collector.record({"ev": "end", "counters": {}, "status": EXIT_PLUGIN_FAILED})
+        collector.record(to_dict(End(counters={}, status=EXIT_PLUGIN_FAILED)))
         sink.close()
         return EXIT_PLUGIN_FAILED
 
@@ -471,9 +476,9 @@ def main(argv: list[str] | None = None) -> int:
 
     def on_term() -> None:
         collector.record(
-            {"ev": "error", "type": "Terminated", "message": "terminated by SIGTERM (the launcher stopped the job)"}
+            to_dict(Error(type="Terminated", message="terminated by SIGTERM (the launcher stopped the job)"))
         )
-        collector.record({"ev": "end", "counters": {}, "status": EXIT_TERMINATED})
+        collector.record(to_dict(End(counters={}, status=EXIT_TERMINATED)))
 
     watch = _SignalWatch(on_term, lambda frame: collector.record(stack_event(frame, root)))
     observed: list[dict[str, Any]] = []
@@ -493,9 +498,7 @@ def main(argv: list[str] | None = None) -> int:
             _run_script(ns.target, target_args)
     except SystemExit as e:
         if e.code not in (None, 0):
-            collector.record(
-                {"ev": "error", "type": "SystemExit", "message": f"target exited with status {e.code}", "traceback": ""}
-            )
+            collector.record(to_dict(Error(type="SystemExit", message=f"target exited with status {e.code}")))
             status = EXIT_TARGET_FAILED
     except BaseException as e:  # the report says what the target raised
         collector.record(_error_event(e, root))
@@ -506,7 +509,7 @@ def main(argv: list[str] | None = None) -> int:
         collector.stop()
         counters = {**dynamo_counters(), "graph_break_missed": collector.dynamo_missed()}
         if status or not ns.check_numerics:
-            collector.record({"ev": "end", "counters": counters, "status": status})
+            collector.record(to_dict(End(counters=counters, status=status)))
     if status == 0 and ns.check_numerics:
         try:
             collector.record(_check_numerics(ns.target, ns.rtol, ns.atol, observed))
@@ -516,7 +519,7 @@ def main(argv: list[str] | None = None) -> int:
             collector.record(ev)
             traceback.print_exc()
             status = EXIT_TARGET_FAILED
-        collector.record({"ev": "end", "counters": counters, "status": status})
+        collector.record(to_dict(End(counters=counters, status=status)))
     watch.close()
     sink.close()
     return status
