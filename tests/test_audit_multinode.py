@@ -27,7 +27,7 @@ from helpers import free_port
 from dynamo_ext.audit.cli import main as cli_main
 from dynamo_ext.audit.merge.rank_files import incomplete_ranks, merge_dir
 from dynamo_ext.audit.model.ranges import format_counts, format_ranks, group_by
-from dynamo_ext.audit.rank.collect import rank_identity
+from dynamo_ext.audit.rank.target import rank_identity
 from dynamo_ext.audit.render.text import render_text
 
 REPO = Path(__file__).resolve().parent.parent

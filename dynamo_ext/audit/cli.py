@@ -171,7 +171,7 @@ def _add_diff(sub: Any) -> argparse.ArgumentParser:
 
 def _validate_target(target: str) -> str | None:
     """Why ``target`` cannot run, in one line, or ``None``."""
-    from .rank.collect import is_function_target, resolve_function
+    from .rank.target import is_function_target, resolve_function
 
     if is_function_target(target):
         module, _, func = target.partition(":")

@@ -55,7 +55,7 @@ def merge_comm(
 ) -> Comm | None:
     """One :class:`Comm` from every rank's ``comm_graph`` events; ``None`` when no rank sent one.
 
-    ``graph_id_of(compile_event)`` names a graph (:func:`.merge.graph_id`);
+    ``graph_id_of(compile_event)`` names a graph (:func:`.identity.graph_id`);
     ``ref``: the ranks whose records are shown (the finished ones); ``breaks``: ``"file:line"`` of
     the graph breaks, named where a count difference comes from code run eagerly.
     """

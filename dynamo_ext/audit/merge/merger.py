@@ -14,56 +14,33 @@ ranks, a rank lacking the graph issuing none; a divergent break or recompile
 is a hang risk when a graph of its code is.  Ranks whose collective sequences
 differ wait on collectives their peers never issue.
 
-NOTE [graph identity]
-A graph is identified by its code object (``file:firstline function``, resume
-functions named after the function they resume) and why it was compiled: the
-first compile has no suffix, a recompile ``| recompile: <failed guard>``.  Not
-by compile order: an extra recompile on one rank leaves every other identity
-as it was.  Compiles with the same identity on a rank are one row, with their
-collective sequences concatenated in compile order.
+Graphs and recompiles are keyed by their identity across ranks (NOTE [graph identity] in :mod:`.identity`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import linecache
-import re
 from collections import defaultdict
 from collections.abc import Iterable
 from typing import Any
 
 import torch
 
-from ..model.kinds import BreakKind, MismatchKind, RankStatus
+from ..model.kinds import BreakKind, RankStatus
 from ..model.records import (
     AuditReport,
     Frame,
     Fusion,
     Graph,
     GraphBreak,
-    Numerics,
-    NumericsMismatch,
     RankSummary,
     Recompile,
 )
 from ..rank.identity import break_id, fix_for
 from ..schema import events as ev
-
-_RESUME = re.compile(r"^torch_dynamo_resume_in_(.+)_at_(\d+)$")
-_CID_PREFIX = re.compile(r"^\s*!?[\d/]+:\s*", re.M)
-# Guards that compare an object's id() (ID_MATCH, TYPE_MATCH): the number differs per process.
-_GUARD_ID = re.compile(r"(___check_(?:obj|type)_id\([^()]*?,\s*)\d+(\))")
-_ADDRESS = re.compile(r"\b0x[0-9a-fA-F]{6,}\b")
-
-
-def _reason(raw: Any) -> str:
-    """A recompile's failed guard without what differs between processes (compile id, object ids, addresses).
-
-    An ``id()`` guard (``___check_obj_id(forward.__code__, 94211665358448)``) fails on every rank for the
-    same cause with a different number, so the number would split one recompile into a row per rank.
-    """
-    reason = _CID_PREFIX.sub("", str(raw or "")).strip()
-    return _ADDRESS.sub("0x…", _GUARD_ID.sub(r"\1<id>\2", reason))
+from .identity import RESUME, graph_id, recompile_reason
+from .numerics import merge_numerics
 
 
 def _snippet(path: str, line: int, context: int = 3) -> tuple[tuple[int, str], ...]:
@@ -188,11 +165,11 @@ class Merger:
             self._comm_events[rank] = comm
 
     def _add_recompile(self, rank: int, e: ev.Compile) -> None:
-        reason = _reason(e.recompile_reason)
+        reason = recompile_reason(e.recompile_reason)
         rid = f"{e.file}:{e.line} {e.function} | {reason}"
         g = self._recompiles.setdefault(rid, {"e": e, "reason": reason, "counts": defaultdict(int)})
         g["counts"][rank] += 1
-        m = _RESUME.match(e.code_name)
+        m = RESUME.match(e.code_name)
         if m:
             self._resume_recompiles[(e.file, int(m.group(2)))] += 1
 
@@ -288,7 +265,7 @@ class Merger:
             recompiles=recompiles,
             ranks=summaries,
             errors=tuple(errors) + tuple(self._internal),
-            numerics=_numerics(self._numerics),
+            numerics=merge_numerics(self._numerics),
             comm=merge_comm(
                 self._comm_events, ref, graph_id, breaks=tuple(dict.fromkeys(f"{b.file}:{b.line}" for b in breaks))
             ),
@@ -415,7 +392,7 @@ class Merger:
 
 
 def merge(
-    events_by_rank: dict[int, list[dict[str, Any]]],
+    events_by_rank: dict[int, list[ev.Event | dict[str, Any]]],
     *,
     target: str,
     world_size: int,
@@ -436,39 +413,6 @@ def merge(
     return m.report(
         target=target, world_size=world_size, backend=backend, statuses=statuses, errors=errors, ranks=ranks
     )
-
-
-def _numerics(per_rank: dict[int, ev.Numerics]) -> Numerics | None:
-    if not per_rank:
-        return None
-    mismatches = sorted(
-        (
-            NumericsMismatch(
-                rank=r,
-                index=int(m["index"]),
-                kind=MismatchKind(m["kind"]),
-                name=m["name"],
-                detail=m.get("detail", ""),
-                max_abs=m.get("max_abs"),
-                max_rel=m.get("max_rel"),
-            )
-            for r, e in per_rank.items()
-            for m in e.mismatches
-        ),
-        key=lambda m: (m.index, m.rank),
-    )
-    return Numerics(
-        compared=max(e.compared for e in per_rank.values()),
-        ranks=tuple(sorted(per_rank)),
-        mismatches=tuple(mismatches),
-    )
-
-
-def graph_id(e: ev.Compile) -> str:
-    """The identity of a compiled graph: its code object and why it was compiled (see NOTE [graph identity])."""
-    base = f"{e.file}:{e.line} {e.function}"
-    reason = _reason(e.recompile_reason)
-    return f"{base} | recompile: {reason.splitlines()[0].split('  #')[0].strip()}" if reason else base
 
 
 def _sequence(e: ev.Compile) -> list[str]:

@@ -43,7 +43,7 @@ _record = dataclasses.dataclass(frozen=True, kw_only=True)
 
 @_record
 class Start:
-    """The header: the rank's place in the job (:func:`..rank.collect.rank_identity`), versions and target."""
+    """The header: the rank's place in the job (:func:`..rank.target.rank_identity`), versions and target."""
 
     KIND: ClassVar[EventKind] = EventKind.START
     format_version: int | None = None  # None: written before rank files had a version
