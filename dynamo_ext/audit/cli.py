@@ -21,7 +21,8 @@ input.  ``audit merge`` judges a job someone else ran: its input is fine, the
 job is not, so a rank that is missing from DIR, whose file was cut short
 (killed), or that raised or was stopped fails the gate, exit 1, with one line
 per such rank naming its host.  ``audit merge`` exits 2 only for bad input (no
-such directory, no rank files, an unreadable ``--baseline``).
+such directory, no rank files, a rank file of another format version, an
+unreadable ``--baseline``).
 
 The commands are one argparse tree (:func:`parser`): ``dynamo-ext audit``
 with the subcommands ``run`` (the default: ``dynamo-ext audit train.py`` is
@@ -142,7 +143,7 @@ def _add_merge(sub: Any) -> argparse.ArgumentParser:
         "(torchrun, srun, ...) into one report, or read a directory of TORCH_TRACE logs.",
         epilog="Exit status: 0 passed; 1 the gate failed: a rank missing from DIR, cut short (killed), raised or "
         "stopped, or a budget, the baseline, a hang risk or the numerics check; 2 bad input (no such directory, no "
-        "rank files, unreadable --baseline). (dynamo-ext audit, which launches the ranks itself, exits 2 when a "
+        "rank files, a rank file of another format version, unreadable --baseline). (dynamo-ext audit, which launches the ranks itself, exits 2 when a "
         "rank raised, died or hung: there it is the audit's own run that failed.)",
     )
     p.add_argument("directory", metavar="DIR", help="the --out directory of the collect runs, or a TORCH_TRACE dir")
