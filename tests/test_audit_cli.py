@@ -17,6 +17,7 @@ def test_one_tree_parses_every_subcommand():
 
 
 def test_run_is_the_default_subcommand(capsys):
-    for argv in (["audit", "--nproc", "0"], ["audit", "run", "--nproc", "0"]):
+    # Refused before any rank starts.
+    for argv in (["audit", "--nproc", "-1"], ["audit", "run", "--nproc", "-1"]):
         assert main(argv) == EXIT_ERROR
-        assert "dynamo-ext audit: error: --nproc must be at least 1, got 0" in capsys.readouterr().err
+        assert "dynamo-ext audit: error: --nproc must be at least 1, got -1" in capsys.readouterr().err
