@@ -17,6 +17,7 @@ import enum
 import functools
 import types
 import typing
+from collections.abc import Callable
 from typing import Any
 
 
@@ -56,45 +57,80 @@ def decode(tp: Any, value: Any) -> Any:
         ValueError: a required field is missing, or a value does not fit its annotation (the message names
             the class and field).
     """
+    return _converter(tp)(value)
+
+
+def _identity(value: Any) -> Any:
+    return value
+
+
+def _to_int(value: Any) -> Any:
+    return value if type(value) is int or isinstance(value, bool) else int(value)
+
+
+# NOTE [codec converters]: each annotation is turned into a conversion function once (cached), so that reading
+# a merge's many thousands of events does not inspect type hints per value.
+@functools.cache
+def _converter(tp: Any) -> Callable[[Any], Any]:
     if dataclasses.is_dataclass(tp) and isinstance(tp, type):
-        return value if isinstance(value, tp) else _decode_dataclass(tp, value)
+        return lambda value: value if isinstance(value, tp) else _decode_dataclass(tp, value)
     origin = typing.get_origin(tp)
     args = typing.get_args(tp)
     if origin in (typing.Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None
-        (inner,) = [a for a in args if a is not type(None)]
-        return decode(inner, value)
+        (inner_tp,) = [a for a in args if a is not type(None)]
+        inner = _converter(inner_tp)
+        nullable = type(None) in args
+        return lambda value: None if value is None and nullable else inner(value)
+    if origin is tuple and len(args) == 2 and args[1] is Ellipsis:
+        item = _converter(args[0])
+        return tuple if item is _identity else lambda value: tuple(item(x) for x in value)
     if origin is tuple:
-        if len(args) == 2 and args[1] is Ellipsis:
-            return tuple(decode(args[0], x) for x in value)
-        if len(args) != len(value):
-            raise ValueError(f"expected {len(args)} items for {tp}, got {len(value)}")
-        return tuple(decode(a, x) for a, x in zip(args, value))
+        items = [_converter(a) for a in args]
+
+        def fixed(value: Any) -> tuple[Any, ...]:
+            if len(items) != len(value):
+                raise ValueError(f"expected {len(items)} items for {tp}, got {len(value)}")
+            return tuple(c(x) for c, x in zip(items, value))
+
+        return fixed
     if origin is dict:
-        return {k: decode(args[1], v) for k, v in value.items()} if args else dict(value)
+        item = _converter(args[1]) if args else _identity
+        return dict if item is _identity else lambda value: {k: item(v) for k, v in value.items()}
     if isinstance(tp, type) and issubclass(tp, enum.Enum):
-        return tp(value)
+        return tp
     if tp is float:
-        return float(value)
-    if tp is int and not isinstance(value, bool):
-        return int(value)
-    return value
+        return float
+    if tp is int:
+        return _to_int
+    return _identity
+
+
+@functools.cache
+def _fields_of(cls: type) -> tuple[tuple[str, Callable[[Any], Any], bool], ...]:
+    """``(name, converter, required)`` per field of ``cls``; required: no default and no ``__json_defaults__``."""
+    defaults = getattr(cls, "__json_defaults__", {})
+    return tuple(
+        (
+            f.name,
+            _converter(tp),
+            f.name not in defaults and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING,
+        )
+        for f, tp in field_types(cls)
+    )
 
 
 def _decode_dataclass(cls: type, data: Any) -> Any:
     if not isinstance(data, dict):
         raise ValueError(f"{cls.__name__}: expected a JSON object, got {type(data).__name__}")
-    defaults = getattr(cls, "__json_defaults__", {})
     kwargs = {}
-    for f, tp in field_types(cls):
-        if f.name in data:
+    for name, convert, required in _fields_of(cls):
+        if name in data:
             try:
-                kwargs[f.name] = decode(tp, data[f.name])
+                kwargs[name] = convert(data[name])
             except (TypeError, ValueError, KeyError) as e:
-                raise ValueError(f"{cls.__name__}.{f.name}: {e}") from None
-        elif f.name in defaults:
-            kwargs[f.name] = copy.copy(defaults[f.name])
-        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-            raise ValueError(f"{cls.__name__}: missing key {f.name!r}")
+                raise ValueError(f"{cls.__name__}.{name}: {e}") from None
+        elif required:
+            raise ValueError(f"{cls.__name__}: missing key {name!r}")
+        elif name in getattr(cls, "__json_defaults__", {}):
+            kwargs[name] = copy.copy(cls.__json_defaults__[name])  # type: ignore[attr-defined]
     return cls(**kwargs)
