@@ -34,11 +34,14 @@ _GB_TYPES = (
 
 
 def _events(rank: int, world: int, per_node: int, outlier: int) -> list[dict]:
+    from dynamo_ext.audit.schema.events import FORMAT_VERSION
+
     t = 1.7e9 + rank
     node = rank // per_node
     evs: list[dict] = [
         {
-            "ev": "start", "rank": rank, "world_size": world, "local_rank": rank % per_node,
+            "ev": "start", "format_version": FORMAT_VERSION, "rank": rank, "world_size": world,
+            "local_rank": rank % per_node,
             "local_world_size": per_node, "node_rank": node, "host": f"node{node:03d}", "launcher": "torchrun",
             "pid": 10000 + rank, "torch_version": "2.13.0+cpu",
             "plugin": {"installed": True, "version": "0.1.0", "error": ""}, "target": "train.py", "time": t,
@@ -93,8 +96,8 @@ def main() -> int:
     p.add_argument("--keep", metavar="DIR", help="write the rank files here and keep them")
     args = p.parse_args()
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from dynamo_ext.audit.rank_files import merge_dir
-    from dynamo_ext.audit.render import render_text
+    from dynamo_ext.audit.merge.rank_files import merge_dir
+    from dynamo_ext.audit.render.text import render_text
 
     work = args.keep or tempfile.mkdtemp(prefix="bench-audit-merge-")
     try:

@@ -1,6 +1,6 @@
 """Where a node of a compiled FX graph came from: the user's frame in its stack trace, the group it names.
 
-The communication report (:mod:`dynamo_ext.audit.comm`) and the collective
+The communication report (:mod:`dynamo_ext.audit.rank.comm`) and the collective
 check (:mod:`dynamo_ext.collective_check.fingerprint`) both point a user at the
 line that issued a collective and name its process group; they read both here,
 so a report and a mismatch error name the same line for the same collective.

@@ -67,7 +67,7 @@ def build(mesh):
 def main() -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
-    from dynamo_ext.audit.example_llama import check_against_eager, compiled_backward
+    from dynamo_ext.audit.targets.example_llama import check_against_eager, compiled_backward
 
     dist.init_process_group("gloo")
     if dist.get_world_size() != 4:

@@ -27,7 +27,7 @@ One step (:func:`make_step`, the audit's step protocol): the compiled model
 (``torch.compile``, ``DYNAMO_EXT_EXAMPLE_BACKEND``, default ``aot_eager``)
 runs forward and loss, ``loss.backward()`` runs eagerly, then the optimizer
 (AdamW) steps.  :func:`main` runs that step compiled and eagerly from the same
-state (``dynamo_ext.audit.numerics.check_step``) and raises ``RuntimeError``
+state (``dynamo_ext.audit.rank.numerics.check_step``) and raises ``RuntimeError``
 naming the first output, gradient (placements, local shard) or parameter after
 the optimizer step that differs.
 """
@@ -106,7 +106,7 @@ def make_step():
 
 def main() -> None:
     """One training step compiled and eagerly from the same state, compared; needs 4 ranks."""
-    from dynamo_ext.audit.numerics import as_step, check_step
+    from dynamo_ext.audit.rank.numerics import as_step, check_step
 
     created = not dist.is_initialized()
     if created:

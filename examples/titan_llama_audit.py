@@ -298,7 +298,7 @@ def make_step() -> tuple[Transformer, torch.optim.Optimizer, object]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import loss_parallel as loss_parallel_ctx
 
-    from dynamo_ext.audit.example_llama import compiled_backward
+    from dynamo_ext.audit.targets.example_llama import compiled_backward
 
     world = dist.get_world_size()
     if world != 4:

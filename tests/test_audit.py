@@ -16,9 +16,11 @@ import torch
 from expecttest import TestCase
 from torch._dynamo.utils import counters
 
-from dynamo_ext.audit import audit, diff_reports, gate, numerics, report_from_json
-from dynamo_ext.audit.collector import collective_sequence, collectives_in, parse_message
-from dynamo_ext.audit.identity import (
+from dynamo_ext.audit import audit, diff_reports, gate, report_from_json
+from dynamo_ext.audit.merge.merger import merge
+from dynamo_ext.audit.rank import numerics
+from dynamo_ext.audit.rank.collector import collective_sequence, collectives_in, parse_message
+from dynamo_ext.audit.rank.identity import (
     break_id,
     fix_for,
     is_distributed_cause,
@@ -26,7 +28,6 @@ from dynamo_ext.audit.identity import (
     target_root,
     user_frame_index,
 )
-from dynamo_ext.audit.merge import merge
 
 
 # ---- hand-made events ---------------------------------------------------------------

@@ -15,9 +15,9 @@ import torch
 from helpers import fake_world
 
 from dynamo_ext.audit import audit, gate, report_from_json
-from dynamo_ext.audit.comm import _common_path, traffic_bytes
-from dynamo_ext.audit.comm_merge import eager_kind
-from dynamo_ext.audit.comm_render import human_bytes
+from dynamo_ext.audit.rank.comm import _common_path, traffic_bytes
+from dynamo_ext.audit.rank.eager_comm import eager_kind
+from dynamo_ext.audit.render.comm import human_bytes
 from dynamo_ext.node_origin import user_frame
 
 
@@ -98,7 +98,7 @@ def test_compiled_redistribute_reported_with_axis_bytes_line_and_placements():
     text = str(report)
     assert "Communication" in text and "all_gather" in text and "tp(2)" in text
     assert "test_audit_comm.py:" in text and "[a1] S(0)->R" in text
-    from dynamo_ext.audit.html import render_html
+    from dynamo_ext.audit.render.html import render_html
 
     page = render_html(report)
     assert page.count("<table id='comm'>") == 1 and "z = y.redistribute(" in page
@@ -108,7 +108,7 @@ def test_a_graph_the_analysis_fails_on_makes_the_report_incomplete_not_an_error(
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard
 
-    from dynamo_ext.audit.comm import CommTracer
+    from dynamo_ext.audit.rank.comm import CommTracer
 
     real = CommTracer.analyse
 
@@ -132,7 +132,7 @@ def test_a_graph_the_analysis_fails_on_makes_the_report_incomplete_not_an_error(
 
 
 def test_report_without_comm_reads_back_and_passes_a_budget():
-    from dynamo_ext.audit.records import AuditReport
+    from dynamo_ext.audit.model.records import AuditReport
 
     r = AuditReport("t", 1, "", "", {}, (), (), (), ())
     assert gate(r, max_comm_bytes=0) == []
@@ -159,7 +159,7 @@ def _explicit(x):
 
 
 def test_explicit_collectives_bytes_overlap_and_unmodelled_time(monkeypatch):
-    from dynamo_ext.audit.comm import INTRA_BW_ENV
+    from dynamo_ext.audit.rank.comm import INTRA_BW_ENV
 
     x = torch.randn(4, 8)
     with fake_world(4):
@@ -233,7 +233,7 @@ def dist_group_world():
 def test_overlap_counts_compute_between_a_collective_and_its_wait():
     import torch.distributed as dist
 
-    from dynamo_ext.audit.comm import CommTracer
+    from dynamo_ext.audit.rank.comm import CommTracer
 
     with fake_world(4):
         group = dist.group.WORLD.group_name
@@ -264,7 +264,7 @@ def _coll(index, op, kind, origin="fsdp", module="layers.0", sent=100):
 
 
 def test_merge_counts_fsdp_per_group_and_leaves_inlined_backward_out():
-    from dynamo_ext.audit.merge import merge
+    from dynamo_ext.audit.merge.merger import merge
 
     def compile_ev(cid):
         return {

@@ -15,9 +15,9 @@ import pytest
 from test_audit_comm import _coll
 from test_audit_e2e import REPO, TARGETS, cli, marker_line
 
-from dynamo_ext.audit.comm_merge import eager_module_path
-from dynamo_ext.audit.comm_render import counts_line
-from dynamo_ext.audit.merge import merge
+from dynamo_ext.audit.merge.merger import merge
+from dynamo_ext.audit.rank.eager_comm import eager_module_path
+from dynamo_ext.audit.render.comm import counts_line
 
 
 def _compile(cid: str, function: str) -> dict:
@@ -102,7 +102,7 @@ def test_a_difference_without_a_reason_is_a_mismatch():
 
 
 def test_an_eager_backward_and_graph_breaks_named_in_reasons():
-    from dynamo_ext.audit.comm_explain import explain_counts
+    from dynamo_ext.audit.merge.comm_explain import explain_counts
 
     eager = {"Global": {"backward": {"reduce_scatter": 2}}, "<root>": {"backward": {"reduce_scatter": 2}},
              "layers.0": {"backward": {"reduce_scatter": 1}}, "layers.1": {"backward": {"reduce_scatter": 1}}}  # fmt: skip
@@ -199,7 +199,7 @@ def test_fsdp2_backward_gathers_where_eager_prefetches_them_are_no_eager_run():
     )
     assert not any("eagerly" in r for r in d.reasons)
     # behind a graph break the same counts are FSDP2's hooks run eagerly: that reason stays
-    from dynamo_ext.audit.comm_explain import explain_counts
+    from dynamo_ext.audit.merge.comm_explain import explain_counts
 
     (d,) = explain_counts(
         dict([((p, k), n) for p, k, n in comm.counts]), {("backward", "all_gather"): 2, ("forward", "all_gather"): 3},

@@ -282,7 +282,7 @@ def test_unknown_module_and_function():
     proc = cli("no_such_module_xyz:main")
     assert proc.returncode == 2
     assert proc.stderr.strip().startswith("dynamo-ext audit: error: unknown module 'no_such_module_xyz'")
-    proc = cli("dynamo_ext.audit.example_llama:no_such_function")
+    proc = cli("dynamo_ext.audit.targets.example_llama:no_such_function")
     assert proc.returncode == 2
     assert "has no function 'no_such_function'" in proc.stderr
 

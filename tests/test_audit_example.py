@@ -1,7 +1,7 @@
 """The main job: ``dynamo-ext audit`` of the bundled Llama TP + FSDP2 training step, with the plugin.
 
 The example checks its compiled step against an eager run of the same step
-(:func:`dynamo_ext.audit.example_llama.check_against_eager`), so a wrong
+(:func:`dynamo_ext.audit.targets.example_llama.check_against_eager`), so a wrong
 gradient fails the run; the audit must find one forward and one backward graph
 and no graph break or recompile.
 """
@@ -84,7 +84,7 @@ def _check_comm(report):
 
 
 def test_check_against_eager_names_the_gradient_that_differs(world):
-    from dynamo_ext.audit.example_llama import check_against_eager
+    from dynamo_ext.audit.targets.example_llama import check_against_eager
 
     torch.manual_seed(0)
     model, reference = torch.nn.Linear(3, 2), torch.nn.Linear(3, 2)

@@ -20,11 +20,11 @@ from test_lowering_patterns import _args, _compile, block_manual
 
 from dynamo_ext import _compat
 from dynamo_ext.audit import Fusion, report_from_json
-from dynamo_ext.audit.collector import FUSION_ARTIFACT, Collector
-from dynamo_ext.audit.html import render_html
-from dynamo_ext.audit.merge import merge
-from dynamo_ext.audit.render import render_text
-from dynamo_ext.audit.trace_reader import merge_trace_dir
+from dynamo_ext.audit.merge.merger import merge
+from dynamo_ext.audit.merge.trace_reader import merge_trace_dir
+from dynamo_ext.audit.rank.collector import FUSION_ARTIFACT, Collector
+from dynamo_ext.audit.render.html import render_html
+from dynamo_ext.audit.render.text import render_text
 from dynamo_ext.inductor_lowerings import decisions
 
 

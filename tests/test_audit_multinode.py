@@ -24,16 +24,21 @@ from pathlib import Path
 import pytest
 from helpers import free_port
 
-from dynamo_ext.audit.collect import rank_identity
-from dynamo_ext.audit.merge_cli import main as merge_main
-from dynamo_ext.audit.ranges import format_counts, format_ranks, group_by
-from dynamo_ext.audit.rank_files import incomplete_ranks, merge_dir
-from dynamo_ext.audit.render import render_text
+from dynamo_ext.audit.cli import main as cli_main
+from dynamo_ext.audit.merge.rank_files import incomplete_ranks, merge_dir
+from dynamo_ext.audit.model.ranges import format_counts, format_ranks, group_by
+from dynamo_ext.audit.rank.target import rank_identity
+from dynamo_ext.audit.render.text import render_text
 
 REPO = Path(__file__).resolve().parent.parent
 TARGET = Path(__file__).resolve().parent / "audit_targets" / "multinode.py"
 REL = str(TARGET.relative_to(REPO))
 PY = sys.executable
+
+
+def merge_main(argv: list[str]) -> int:
+    """``dynamo-ext audit merge ARGV...``: its exit status."""
+    return cli_main(["audit", "merge", *argv])
 
 
 def _bench():
@@ -73,7 +78,7 @@ def test_rank_identity_torchrun_slurm_and_none():
 
 
 def test_collect_rejects_bad_rank_variables(monkeypatch, capsys):
-    from dynamo_ext.audit import collect
+    from dynamo_ext.audit.rank import collect
 
     monkeypatch.setenv("RANK", "one")
     monkeypatch.setenv("WORLD_SIZE", "2")
@@ -117,8 +122,6 @@ def test_merge_names_missing_and_cut_short_ranks_by_host(tmp_path, capsys):
     assert rows["0\u20132"][:5] == ["2", "hosts", "(2", "nodes)", "ok"]  # hosts of a group are counted
     assert rows["5"][:4] == ["node002", "(node", "2)", "ok"]  # the outlier by rank and host
     assert rows["4"][:4] == ["node002", "(node", "2)", "died:"]
-    from dynamo_ext.audit.cli import main as cli_main
-
     assert cli_main(["audit", "merge", str(d), "--quiet"]) == 1
     assert capsys.readouterr().err.splitlines() == [
         "dynamo-ext audit merge: gate: " + line for line in incomplete_ranks(report)

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from dynamo_ext.audit import cli
-from dynamo_ext.audit.records import AuditReport, Numerics, NumericsMismatch, RankSummary
+from dynamo_ext.audit.model.records import AuditReport, Numerics, NumericsMismatch, RankSummary
 
 DIFFERS = "RuntimeError: rank {r}: the compiled step differs from eager: gradients not reduced: 3 of 21 are plain"
 
@@ -81,7 +81,7 @@ def test_compare_stock_exits_0_when_only_the_stock_run_failed(monkeypatch, tmp_p
     assert "a finding of the stock column, not an error of the audit" in text, text
     assert "  stock: ranks 0\u20133 raised RuntimeError: the compiled step differs from eager" in text, text
     assert "error:" not in text, text
-    from dynamo_ext.audit.html import render_html
+    from dynamo_ext.audit.render.html import render_html
 
     html = render_html(dataclasses.replace(PLUGIN_OK, stock=STOCK_FAILED))
     assert "<li>stock: ranks 0\u20133 raised RuntimeError: the compiled step differs from eager" in html
@@ -118,7 +118,7 @@ def test_check_against_eager_names_plain_gradients_where_eager_has_dtensors(worl
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    from dynamo_ext.audit.example_llama import check_against_eager
+    from dynamo_ext.audit.targets.example_llama import check_against_eager
 
     mesh = init_device_mesh("cpu", (4,))
     model, reference = torch.nn.Linear(3, 8, bias=False), torch.nn.Linear(3, 8, bias=False)

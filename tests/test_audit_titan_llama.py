@@ -28,7 +28,7 @@ EXAMPLE = REPO / "examples" / "titan_llama_audit.py"
 
 def test_module_path_drops_checkpoint_wrapper_and_module_dict_spelling():
     """The communication report names modules by their FQNs (as the state_dict does), not by Dynamo's spelling."""
-    from dynamo_ext.audit.comm import module_path
+    from dynamo_ext.audit.rank.comm import module_path
 
     def node(path):
         return SimpleNamespace(meta={"nn_module_stack": {"k": (path, object)}})

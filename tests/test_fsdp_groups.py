@@ -136,7 +136,7 @@ def test_group_pass_started_by_eager_fsdp2_hooks_is_a_named_graph_break(world):
 
 def test_group_module_reached_through_the_state_is_named_by_its_path(world):
     """``out`` is first reached by the group's hooks (through the FSDP2 state): the audit still names it ``out``."""
-    from dynamo_ext.audit.comm import module_path
+    from dynamo_ext.audit.rank.comm import module_path
 
     net = _sharded()
     backend = CountingBackend()

@@ -111,7 +111,8 @@ def test_one_rank_range_format(ranks, text):
 
 
 def test_the_audit_and_the_collective_check_format_ranks_alike():
-    from dynamo_ext.audit import diff, ranges
+    from dynamo_ext.audit.gate import diff
+    from dynamo_ext.audit.model import ranges
     from dynamo_ext.collective_check import exchange, fingerprint
 
     for module in (ranges, diff, exchange, fingerprint):

@@ -10,13 +10,20 @@ The command line (``dynamo-ext audit``, :mod:`.cli`) runs a script or a
 (torchrun on many nodes, srun) each rank runs ``python -m
 dynamo_ext.audit.collect --out DIR`` and ``dynamo-ext audit merge DIR``
 reports afterwards; see docs/audit.md.
+
+Subpackages by role, arrows one way (a package imports only those above it):
+:mod:`.schema` (the rank-file format), :mod:`.model` (the report's records),
+:mod:`.rank` (what runs on each rank), :mod:`.merge` (rank files and TORCH_TRACE
+logs into a report), :mod:`.render` (text, HTML), :mod:`.gate` (budgets,
+baseline, diff), :mod:`.targets` (bundled targets); then :mod:`.launch`,
+:mod:`.api`, :mod:`.cli` and :mod:`.pytest_plugin` use them.
 """
 
 from typing import Any
 
-from .diff import BreakDiff, diff_reports, gate
-from .numerics import Step, check_step
-from .records import (
+from .gate.diff import BreakDiff, diff_reports, gate
+from .model.io import load_report, report_from_json
+from .model.records import (
     AuditReport,
     Frame,
     Fusion,
@@ -26,9 +33,9 @@ from .records import (
     NumericsMismatch,
     RankSummary,
     Recompile,
-    load_report,
-    report_from_json,
 )
+from .rank.numerics import Step, check_step
+from .render import text as _text  # noqa: F401  (registers str(report): NOTE [report text] in model/records.py)
 
 __all__ = [
     "AuditReport",

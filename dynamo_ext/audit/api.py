@@ -8,11 +8,12 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from .collector import Collector, dynamo_counters
-from .identity import target_root
-from .merge import merge
-from .numerics import as_step, check_step
-from .records import AuditReport
+from .merge.merger import merge
+from .model.records import AuditReport
+from .rank.collector import Collector, dynamo_counters
+from .rank.identity import target_root
+from .rank.numerics import as_step, check_step
+from .schema.events import FORMAT_VERSION, End, EventKind, Start, to_dict
 
 
 def _source_file(fn: Any) -> str | None:
@@ -60,7 +61,7 @@ def audit(
     (:func:`.identity.target_root`).  An exception from ``fn`` propagates.
 
     ``check_numerics``: a ``make_step`` callable (docs/audit.md, "Numerics
-    check"; :mod:`.numerics`); after the audited call, its step runs eagerly and
+    check"; :mod:`.rank.numerics`); after the audited call, its step runs eagerly and
     compiled from the same state and ``report.numerics`` says which tensors
     differ (``rtol``/``atol``: as ``torch.testing.assert_close``, both or neither).
     Its compiles are not part of the audit's counts.
@@ -84,14 +85,8 @@ def audit(
     before = dynamo_counters()
     source = _source_file(fn)
     collector = Collector(root=target_root(source) if source else None)
-    collector.record(
-        {
-            "ev": "start",
-            "rank": rank,
-            "pid": os.getpid(),
-            "plugin": {"installed": dynamo_ext.is_installed(), "version": dynamo_ext.__version__, "error": ""},
-        }
-    )
+    plugin = {"installed": dynamo_ext.is_installed(), "version": dynamo_ext.__version__, "error": ""}
+    collector.record(to_dict(Start(format_version=FORMAT_VERSION, rank=rank, pid=os.getpid(), plugin=plugin)))
     collector.start()
     finished = False
     try:
@@ -102,10 +97,12 @@ def audit(
         after = dynamo_counters()
         delta = {k: after[k] - before.get(k, 0) for k in after}
         delta["graph_break_missed"] = collector.dynamo_missed()
-        collector.record({"ev": "end", "counters": delta})
+        collector.record(to_dict(End(counters=delta)))
         try:
             if check_numerics is not None and finished:
-                collector.record({"ev": "numerics", **check_step(as_step(check_numerics()), rtol=rtol, atol=atol)})
+                collector.record(
+                    {"ev": EventKind.NUMERICS, **check_step(as_step(check_numerics()), rtol=rtol, atol=atol)}
+                )
         finally:
             counters.clear()
             counters.update(saved)

@@ -9,10 +9,24 @@ raised, died or hung).  With ``--compare-stock`` all of this is the plugin
 run's: a stock run whose ranks raise (wrong gradients the target's own check
 caught, a crash) is a finding of the stock column, printed and kept in the
 JSON's ``stock.errors``, not an error (NOTE [stock failures are findings] in
-:mod:`.render`).  Reports asked for with ``--json``/``--html`` are written
-in every case, with whatever was collected.  ``audit merge`` (:mod:`.merge_cli`)
-exits 1, not 2, for ranks that did not finish (NOTE [exit status: audit vs
-audit merge]).
+:mod:`.render.text`).  Reports asked for with ``--json``/``--html`` are written
+in every case, with whatever was collected.  ``audit merge`` exits 1, not 2,
+for ranks that did not finish (NOTE [exit status: audit vs audit merge]).
+
+NOTE [exit status: audit vs audit merge]
+Both commands share 0 (passed) and 1 (the gate failed); they differ in what a
+rank that did not finish means.  ``dynamo-ext audit`` ran the ranks itself: a
+rank that raised, died or hung is the audit's own run failing, exit 2, like bad
+input.  ``audit merge`` judges a job someone else ran: its input is fine, the
+job is not, so a rank that is missing from DIR, whose file was cut short
+(killed), or that raised or was stopped fails the gate, exit 1, with one line
+per such rank naming its host.  ``audit merge`` exits 2 only for bad input (no
+such directory, no rank files, a rank file of another format version, an
+unreadable ``--baseline``).
+
+The commands are one argparse tree (:func:`parser`): ``dynamo-ext audit``
+with the subcommands ``run`` (the default: ``dynamo-ext audit train.py`` is
+``dynamo-ext audit run train.py``), ``merge`` and ``diff``.
 """
 
 from __future__ import annotations
@@ -24,21 +38,46 @@ import logging
 import os
 import sys
 import warnings
+from typing import Any
 
 from rich.console import Console
 
-from .diff import add_gate_arguments, gate_from_arguments, read_gate_arguments
+from .gate.diff import add_gate_arguments, gate_from_arguments, read_gate_arguments
 
 logger = logging.getLogger(__name__)
 
 EXIT_OK, EXIT_GATE, EXIT_ERROR = 0, 1, 2
-DEFAULT_TARGET = "dynamo_ext.audit.example_llama:main"
+DEFAULT_TARGET = "dynamo_ext.audit.targets.example_llama:main"
+SUBCOMMANDS = ("run", "merge", "diff")
 BACKENDS = ("eager", "aot_eager", "inductor")
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+def parser() -> argparse.ArgumentParser:
+    """The command tree: ``dynamo-ext audit {run,merge,diff}``; :func:`main` picks ``run`` when no subcommand is named."""
+    return _tree()[0]
+
+
+def _tree() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+    top = argparse.ArgumentParser(prog="dynamo-ext")
+    commands = top.add_subparsers(dest="command", required=True)
+    audit = commands.add_parser("audit", prog="dynamo-ext audit", help="graph breaks and recompiles, merged over ranks")
+    sub = audit.add_subparsers(dest="subcommand", required=True)
+    return top, {"run": _add_run(sub), "merge": _add_merge(sub), "diff": _add_diff(sub)}
+
+
+def _subparser(name: str) -> argparse.ArgumentParser:
+    """The parser of ``dynamo-ext audit NAME`` (one of :data:`SUBCOMMANDS`) in the tree of :func:`parser`.
+
+    Each subcommand parses its own arguments, so that its errors name it (``dynamo-ext audit merge: error: ...``).
+    """
+    return _tree()[1][name]
+
+
+def _add_run(sub: Any) -> argparse.ArgumentParser:
+    p = sub.add_parser(
+        "run",
         prog="dynamo-ext audit",
+        help="launch TARGET on N local ranks and report (the default subcommand)",
         description="Run a distributed program on N local ranks under torch.compile (with dynamo-ext) and report "
         "every graph break and recompile, merged over ranks.",
         epilog="TARGET is a script path or module:function; without it, the bundled Llama TP+FSDP2 example "
@@ -95,9 +134,45 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _add_merge(sub: Any) -> argparse.ArgumentParser:
+    p = sub.add_parser(
+        "merge",
+        prog="dynamo-ext audit merge",
+        help="merge the rank files of a job run under python -m dynamo_ext.audit.collect",
+        description="Merge the rank files of a job run under 'python -m dynamo_ext.audit.collect --out DIR' "
+        "(torchrun, srun, ...) into one report, or read a directory of TORCH_TRACE logs.",
+        epilog="Exit status: 0 passed; 1 the gate failed: a rank missing from DIR, cut short (killed), raised or "
+        "stopped, or a budget, the baseline, a hang risk or the numerics check; 2 bad input (no such directory, no "
+        "rank files, a rank file of another format version, unreadable --baseline). (dynamo-ext audit, which launches the ranks itself, exits 2 when a "
+        "rank raised, died or hung: there it is the audit's own run that failed.)",
+    )
+    p.add_argument("directory", metavar="DIR", help="the --out directory of the collect runs, or a TORCH_TRACE dir")
+    p.add_argument("--json", metavar="FILE", help="write the JSON report (schema: docs/audit.md)")
+    p.add_argument("--html", metavar="FILE", help="write a single-file HTML report")
+    add_gate_arguments(p)
+    p.add_argument(
+        "--world-size", type=int, default=None, metavar="N", help="ranks expected (default: from the rank files)"
+    )
+    p.add_argument("--quiet", action="store_true", help="no terminal report (files and exit status only)")
+    return p
+
+
+def _add_diff(sub: Any) -> argparse.ArgumentParser:
+    p = sub.add_parser(
+        "diff",
+        prog="dynamo-ext audit diff",
+        help="new, fixed and unchanged graph breaks between two JSON reports",
+        description="New, fixed and unchanged graph breaks.",
+    )
+    p.add_argument("old", metavar="OLD.json")
+    p.add_argument("new", metavar="NEW.json")
+    p.add_argument("--fail-on-new", action="store_true", help="exit 1 when NEW has a break OLD lacks")
+    return p
+
+
 def _validate_target(target: str) -> str | None:
     """Why ``target`` cannot run, in one line, or ``None``."""
-    from .collect import is_function_target, resolve_function
+    from .rank.target import is_function_target, resolve_function
 
     if is_function_target(target):
         module, _, func = target.partition(":")
@@ -147,7 +222,7 @@ def _write(report, args: argparse.Namespace, err: Console) -> None:  # type: ign
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(report.to_json(), f, indent=1, default=str)
     if args.html:
-        from .html import render_html
+        from .render.html import render_html
 
         with open(args.html, "w", encoding="utf-8") as f:
             f.write(render_html(report))
@@ -158,7 +233,7 @@ def _audit(argv: list[str]) -> int:
     if "--" in argv:
         i = argv.index("--")
         argv, target_args = argv[:i], argv[i + 1 :]
-    args = _parser().parse_args(argv)
+    args = _subparser("run").parse_args(argv)
     err = Console(stderr=True, highlight=False)
 
     def fail(msg: str) -> int:
@@ -185,7 +260,7 @@ def _audit(argv: list[str]) -> int:
     for flag, bw in (("--intra-node-bw", args.intra_node_bw), ("--inter-node-bw", args.inter_node_bw)):
         if bw is not None and not bw > 0:
             return fail(f"{flag} must be a positive bandwidth in GB/s, got {bw:g}")
-    from .comm import INTER_BW_ENV, INTRA_BW_ENV
+    from .rank.comm import INTER_BW_ENV, INTRA_BW_ENV
 
     # Read by each rank's communication report (the ranks inherit the environment).
     for env, bw in ((INTRA_BW_ENV, args.intra_node_bw), (INTER_BW_ENV, args.inter_node_bw)):
@@ -196,7 +271,7 @@ def _audit(argv: list[str]) -> int:
         return fail(why)
 
     from .launch import run_ranks
-    from .render import print_report
+    from .render.text import print_report
 
     runs = (
         [("stock", False)]
@@ -229,7 +304,7 @@ def _audit(argv: list[str]) -> int:
     if not args.quiet:
         print_report(report)
     if report.stock is not None and report.stock.failures:
-        # NOTE [stock failures are findings] (render.py): the exit status is the plugin run's.
+        # NOTE [stock failures are findings] (render/text.py): the exit status is the plugin run's.
         logs = sorted({r.log for r in report.stock.ranks if r.log})
         suffix = f"; its rank logs under {os.path.commonpath(logs)}" if logs else ""
         err.print(
@@ -247,14 +322,41 @@ def _audit(argv: list[str]) -> int:
     return EXIT_GATE if problems else EXIT_OK
 
 
+def _merge(argv: list[str]) -> int:
+    """Run ``dynamo-ext audit merge``; returns the exit status (NOTE [exit status: audit vs audit merge])."""
+    args = _subparser("merge").parse_args(argv)
+    err = Console(stderr=True, highlight=False)
+
+    def fail(msg: str) -> int:
+        err.print(f"dynamo-ext audit merge: error: {msg}", markup=False, soft_wrap=True)
+        return EXIT_ERROR
+
+    if args.world_size is not None and args.world_size < 1:
+        return fail(f"--world-size must be at least 1, got {args.world_size}")
+    from .merge.rank_files import incomplete_ranks, merge_dir
+    from .render.text import print_report
+
+    baseline, why = read_gate_arguments(args)
+    if why:
+        return fail(why)
+    try:
+        report = merge_dir(args.directory, world_size=args.world_size)
+    except (OSError, ValueError) as e:
+        return fail(str(e))
+    _write(report, args, err)
+    if not args.quiet:
+        print_report(report)
+    problems = [*report.errors, *incomplete_ranks(report)]
+    problems += gate_from_arguments(report, args, baseline)
+    for p in problems:
+        err.print(f"dynamo-ext audit merge: gate: {p}", markup=False, soft_wrap=True)
+    return EXIT_GATE if problems else EXIT_OK
+
+
 def _diff(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="dynamo-ext audit diff", description="New, fixed and unchanged graph breaks.")
-    p.add_argument("old", metavar="OLD.json")
-    p.add_argument("new", metavar="NEW.json")
-    p.add_argument("--fail-on-new", action="store_true", help="exit 1 when NEW has a break OLD lacks")
-    args = p.parse_args(argv)
-    from .diff import diff_reports
-    from .records import load_report
+    args = _subparser("diff").parse_args(argv)
+    from .gate.diff import diff_reports
+    from .model.io import load_report
 
     try:
         old, new = load_report(args.old), load_report(args.new)
@@ -314,7 +416,5 @@ def _main(argv: list[str]) -> int:
     if len(argv) > 1 and argv[1] == "diff":
         return _diff(argv[2:])
     if len(argv) > 1 and argv[1] == "merge":
-        from .merge_cli import main as merge_main
-
-        return merge_main(argv[2:])
-    return _audit(argv[1:])
+        return _merge(argv[2:])
+    return _audit(argv[2:] if len(argv) > 1 and argv[1] == "run" else argv[1:])

@@ -4,7 +4,7 @@ The local audit is launch + collect + merge, the same path as a multi-node
 job: the ranks are started by ``python -m torch.distributed.run --standalone``
 (torchrun: the elastic agent, c10d rendezvous on a free port), in its own
 session so a timeout can end the whole tree.  Each rank runs
-:mod:`.collect`; its stdout/stderr go to per-rank log files (torchrun's
+:mod:`.rank.collect`; its stdout/stderr go to per-rank log files (torchrun's
 ``--log-dir --redirects 3``) and its events to ``rank<R>.jsonl``, which this
 module tails while the ranks run (progress) and then merges with
 :func:`.rank_files.merge_dir`, adding what only the launcher knows (timeouts,
@@ -33,9 +33,11 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from .merge import Merger
-from .rank_files import merge_dir
-from .records import AuditReport
+from .merge.merger import Merger
+from .merge.rank_files import merge_dir
+from .model.kinds import RankStatus
+from .model.records import AuditReport
+from .schema.events import EventKind
 
 GRACE_S = 10.0
 _FAILURE = re.compile(r"rank\s*:\s*(\d+)\s*\(local_rank[^\n]*\n\s*exitcode\s*:\s*(-?\d+)")
@@ -235,7 +237,7 @@ def run_ranks(
     Never raises for a failure of the target: the report's ``errors`` and rank
     statuses say what happened.  ``check_numerics``: each rank then runs the
     target's ``make_step()`` compiled and eagerly and compares (``rtol``/``atol``,
-    see :mod:`.numerics`); the result is ``report.numerics``.
+    see :mod:`.rank.numerics`); the result is ``report.numerics``.
     """
     work = tempfile.mkdtemp(prefix="dynamo-ext-audit-")
     logs = os.path.join(work, "logs")
@@ -267,21 +269,21 @@ def run_ranks(
                 p = progress[r]
                 ev = e.get("ev")
                 p.last = str(ev)
-                if ev == "start":
+                if ev == EventKind.START:
                     p.started = True
                     p.pid = int(e["pid"])
                     pids.append(p.pid)
-                elif ev == "break":
+                elif ev == EventKind.BREAK:
                     p.breaks += 1
-                elif ev == "compile":
+                elif ev == EventKind.COMPILE:
                     p.graphs += bool(e.get("has_graph"))
                     p.recompiles += bool(e.get("recompile_reason"))
-                elif ev == "error":
+                elif ev == EventKind.ERROR:
                     p.failed = True
                     p.error = p.error or e
-                elif ev == "end":
+                elif ev == EventKind.END:
                     p.done = True
-                elif ev == "stack":
+                elif ev == EventKind.STACK:
                     p.stack = e
         if on_progress is not None:
             on_progress(progress)
@@ -321,38 +323,50 @@ def run_ranks(
         log = _rank_logs(logs, r)
         code = exit_codes.get(r)
         if err is not None and not terminated:
-            statuses[r] = {"status": "error", "error": err["message"], "log": log, "time": err.get("time", 0.0)}
+            statuses[r] = {
+                "status": RankStatus.ERROR,
+                "error": err["message"],
+                "log": log,
+                "time": err.get("time", 0.0),
+            }
         elif p.done and not terminated:
-            statuses[r] = {"status": "ok", "log": log}
+            statuses[r] = {"status": RankStatus.OK, "log": log}
         elif timed_out:
-            statuses[r] = {"status": "timeout", "error": f"still running after {timeout:g} s, {_where(p)}", "log": log}
+            statuses[r] = {
+                "status": RankStatus.TIMEOUT,
+                "error": f"still running after {timeout:g} s, {_where(p)}",
+                "log": log,
+            }
         elif (terminated or code == -int(signal.SIGTERM)) and (exit_codes.keys() - {r}):
             # SIGKILL without the Terminated record is not the launcher's doing (it sends SIGTERM first): died.
             statuses[r] = {
-                "status": "stopped",
+                "status": RankStatus.STOPPED,
                 "error": "stopped by the launcher after another rank failed",
                 "log": log,
             }
         else:
             why = "no exit status" if code is None else f"exit code {code}" + (f" (signal {-code})" if code < 0 else "")
-            statuses[r] = {"status": "died", "error": f"rank {r} ended without finishing ({why})", "log": log}
+            statuses[r] = {"status": RankStatus.DIED, "error": f"rank {r} ended without finishing ({why})", "log": log}
     # The root cause first: a rank that died (killed, or exited without a word: its peers' collectives then fail,
     # so their errors are consequences), then torchrun's "first observed failure", else the earliest error.
     failed = sorted(
-        (r for r, s in statuses.items() if s["status"] in ("error", "died")), key=lambda r: statuses[r].get("time", 0.0)
+        (r for r, s in statuses.items() if s["status"] in (RankStatus.ERROR, RankStatus.DIED)),
+        key=lambda r: statuses[r].get("time", 0.0),
     )
     if root and int(root[0][0]) in failed:
         failed.remove(int(root[0][0]))
         failed.insert(0, int(root[0][0]))
-    failed.sort(key=lambda r: statuses[r]["status"] != "died")
+    failed.sort(key=lambda r: statuses[r]["status"] != RankStatus.DIED)
     errors: list[str] = []
     if timed_out:
-        errors.append(_timeout_line(progress, [r for r, s in statuses.items() if s["status"] == "timeout"], timeout))
+        errors.append(
+            _timeout_line(progress, [r for r, s in statuses.items() if s["status"] == RankStatus.TIMEOUT], timeout)
+        )
     if interrupted:
         errors.append("interrupted; ranks killed")
     for r in failed:
         s = statuses[r]
-        errors.append(f"rank {r} raised {s['error']}" if s["status"] == "error" else s["error"])
+        errors.append(f"rank {r} raised {s['error']}" if s["status"] == RankStatus.ERROR else s["error"])
     for s in statuses.values():
         s.pop("time", None)
     if not any(p.started for p in progress.values()):

@@ -25,8 +25,9 @@ from typing import Any
 import pytest
 
 from .api import audit
-from .diff import gate
-from .records import AuditReport, load_report
+from .gate.diff import gate
+from .model.io import load_report
+from .model.records import AuditReport
 
 
 class AuditGate:

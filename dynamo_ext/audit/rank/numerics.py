@@ -29,7 +29,7 @@ A target script often checks its step itself (``main()`` calls
 and reports their results instead of building the step again with
 ``make_step()``: the compiled step it checked is then the audited one, and the
 model is compiled once, not twice.  The observed eager step's collectives are
-counted as :func:`.comm_merge.eager_counted_step` counts them.
+counted as :func:`.eager_comm.eager_counted_step` counts them.
 """
 
 from __future__ import annotations
@@ -175,7 +175,7 @@ def check_step(spec: Step, *, rtol: float | None = None, atol: float | None = No
         raise ValueError("give both rtol and atol, or neither (the per-dtype defaults of torch.testing.assert_close)")
     eager_comm: dict[str, Any] = {}
     if _OBSERVERS:  # NOTE [the target's own check]
-        from .comm_merge import eager_counted_step
+        from .eager_comm import eager_counted_step
 
         spec, eager_comm = eager_counted_step(spec)
     result = _check(spec, rtol, atol)
@@ -191,7 +191,7 @@ _OBSERVERS: list[Callable[[dict[str, Any]], None]] = []
 def observe_checks(observer: Callable[[dict[str, Any]], None]) -> Iterator[None]:
     """Within the block, call ``observer`` with each :func:`check_step` result, plus ``"eager_comm"``.
 
-    ``eager_comm``: the eager step's collectives by phase and kind (:func:`.comm_merge.count_eager`).
+    ``eager_comm``: the eager step's collectives by phase and kind (:func:`.eager_comm.count_eager`).
     See NOTE [the target's own check].
     """
     _OBSERVERS.append(observer)

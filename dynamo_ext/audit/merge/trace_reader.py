@@ -32,10 +32,12 @@ import re
 from collections.abc import Iterator
 from typing import Any
 
-from .collector import Collector, _collapse_resume, parse_message
-from .identity import is_distributed_cause, normalize_path, target_root, user_frame_index
-from .merge import Merger
-from .records import AuditReport
+from ..model.kinds import BreakKind, RankStatus
+from ..model.records import AuditReport
+from ..rank.collector import Collector, _collapse_resume, parse_message
+from ..rank.identity import is_distributed_cause, normalize_path, target_root, user_frame_index
+from ..schema.events import EventKind
+from .merger import Merger
 
 TRACE_FILE = re.compile(r"^dedicated_log_torch_trace(?:_rank_(\d+))?_.*\.log$")
 _GLOG = re.compile(r"^[VIWEC]\d{4} [\d:.]+ +\d+ [^\]]*\] (\{.*\})\s*$")
@@ -115,8 +117,8 @@ def break_event(md: dict[str, Any], payload: str, *, root: str | None) -> dict[s
     ca = md.get("compiled_autograd_id")
     frame = f"{md.get('frame_id')}/{md.get('frame_compile_id')}"
     return {
-        "ev": "break",
-        "kind": "frame_skip" if skipped else "graph_break",
+        "ev": EventKind.BREAK,
+        "kind": BreakKind.FRAME_SKIP if skipped else BreakKind.GRAPH_BREAK,
         "gb_type": first or "unknown graph break",
         "wrapper": wrapper,
         "reason": first,
@@ -181,9 +183,12 @@ def merge_trace_dir(directory: str, *, root: str | None = None) -> AuditReport:
         merger.add_rank(rank, rank_events(files[rank], root=root))
     world = max(files) + 1
     statuses = {
-        r: {"status": "unknown"}
+        r: {"status": RankStatus.UNKNOWN}
         if r in files
-        else {"status": "missing", "error": f"no TORCH_TRACE log for rank {r} (ranks up to {world - 1} wrote one)"}
+        else {
+            "status": RankStatus.MISSING,
+            "error": f"no TORCH_TRACE log for rank {r} (ranks up to {world - 1} wrote one)",
+        }
         for r in range(world)
     }
     report = merger.report(target=directory, world_size=world, backend="", statuses=statuses)

@@ -2,7 +2,7 @@
 
 NOTE [count differences]
 The report counts the collectives of the compiled graphs (like with like: NOTE
-[like-with-like collective counts] in :mod:`.comm_merge`); ``CommDebugMode``
+[like-with-like collective counts] in :mod:`.comm`); ``CommDebugMode``
 counts every collective the eager step dispatches.  Where the two differ for a
 (phase, kind), the difference is split over the units that together hold every
 collective of the step: each top-level module (the outermost modules the eager
@@ -38,7 +38,7 @@ differences therefore add up to the total difference, and each gets a reason:
   DTensor (functional) collectives agree and no compiled graph has an FSDP2 or
   explicit collective of it, the eager surplus is c10d's own ops (FSDP2's hooks,
   explicit ``dist`` calls) that ran eagerly (``CommDebugMode`` counts those
-  apart: ``modules_c10d`` of :func:`.comm_merge.count_eager`);
+  apart: ``modules_c10d`` of :func:`..rank.eager_comm.count_eager`);
 - a unit whose compiled backward has more than eager's, where at least that
   many of its compiled backward collectives of the kind recompute one of its
   compiled forward collectives (same module, line, shapes and group) and its
@@ -53,9 +53,9 @@ differences therefore add up to the total difference, and each gets a reason:
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Any
 
-from .records import Collective, CountDifference
+from ..model.records import Collective, CountDifference
+from ..schema import events as ev
 
 OUTSIDE = "outside any module"
 ROOT = "<root>"
@@ -99,7 +99,7 @@ def explain_counts(
     """One :class:`.records.CountDifference` per (phase, kind) whose counts differ (NOTE [count differences]).
 
     ``like``/``eager``: the two counts per (phase, kind); ``eager_modules``: ``CommDebugMode``'s per-module
-    counts (:func:`.comm_merge.count_eager`), ``None`` when the rank files have none (then every difference
+    counts (:func:`..rank.eager_comm.count_eager`), ``None`` when the rank files have none (then every difference
     is unexplained); ``colls``: every collective of the report; ``counted``: those ``like`` counts (the
     like-with-like selection); ``breaks``: ``"file:line"`` of the report's graph breaks, named in reasons;
     ``eager_c10d``: the per-module counts of c10d's own ops (``None``: not recorded).
@@ -230,9 +230,9 @@ def _fsdp_totals(
     return text
 
 
-def eager_modules_of(events: list[dict[str, Any]], key: str = "modules") -> dict[str, dict[str, dict[str, int]]] | None:
+def eager_modules_of(events: list[ev.Event], key: str = "modules") -> dict[str, dict[str, dict[str, int]]] | None:
     """The per-module eager counts (``key``: ``"modules"`` or ``"modules_c10d"``) of a rank's ``numerics`` event."""
     for e in events:
-        if e["ev"] == "numerics" and e.get("eager_comm"):
-            return e["eager_comm"].get(key)
+        if isinstance(e, ev.Numerics) and e.eager_comm:
+            return e.eager_comm.get(key)
     return None

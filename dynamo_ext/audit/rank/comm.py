@@ -51,17 +51,17 @@ from typing import Any
 
 import torch
 
-from .. import _compat
-from ..fx import collectives as fx_collectives
-from ..fx.collectives import TRAFFIC, FxCollective, tensor_dtype, tensor_shape
-from ..fx.nodes import example_value, tensor_bytes
-from ..node_origin import stack_frames, user_frame
-from ..variables import fsdp_sources
+from ... import _compat
+from ...fx import collectives as fx_collectives
+from ...fx.collectives import TRAFFIC, FxCollective, tensor_dtype, tensor_shape
+from ...fx.nodes import example_value, tensor_bytes
+from ...node_origin import stack_frames, user_frame
+from ...variables import fsdp_sources
 from .identity import normalize_path
 
 log = logging.getLogger(__name__)
 
-_PKG_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+_PKG_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) + os.sep
 _INLINED = re.compile(r"^aot(\d+)_")
 _ROOT_KEY = re.compile(r"^L\['[^']*'\]\.?")
 # Dynamo spells a submodule it reached through ``__getattr__``'s dict lookup as ``.__dict__['_modules']['name']``.
@@ -237,7 +237,7 @@ class CommTracer:
         """Mesh axis names of the groups of every DTensor in ``gm`` and of every mesh a compiled frame used
         (``variables.device_mesh.traced_meshes``: a collective on ``mesh.get_group()`` with no DTensor of that
         mesh in the graph); module paths of its stack traces."""
-        from ..variables.device_mesh import traced_meshes
+        from ...variables.device_mesh import traced_meshes
 
         for mesh in traced_meshes():
             if id(mesh) not in self._meshes_seen:

@@ -41,8 +41,8 @@ from typing import Any
 
 import torch
 
-from .. import _compat
-from ..fx import collectives as fx_collectives
+from ... import _compat
+from ...fx import collectives as fx_collectives
 from .comm import CommTracer
 from .identity import is_distributed_cause, normalize_path, user_frame_index
 
@@ -61,7 +61,8 @@ _DROP_ABOVE = (
     os.path.join(_TORCH_DIR, "_dynamo"),
     os.path.join(_TORCH_DIR, "nn", "modules", "module.py"),
     os.path.dirname(logging.__file__),
-    *(os.path.join(os.path.dirname(__file__), f) for f in ("collect.py", "api.py", "collector.py")),
+    *(os.path.join(os.path.dirname(__file__), f) for f in ("collect.py", "collector.py")),
+    *(os.path.join(os.path.dirname(os.path.dirname(__file__)), f) for f in ("api.py", "collect.py")),
     "<frozen ",
 )
 

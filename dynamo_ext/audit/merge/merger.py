@@ -14,44 +14,33 @@ ranks, a rank lacking the graph issuing none; a divergent break or recompile
 is a hang risk when a graph of its code is.  Ranks whose collective sequences
 differ wait on collectives their peers never issue.
 
-NOTE [graph identity]
-A graph is identified by its code object (``file:firstline function``, resume
-functions named after the function they resume) and why it was compiled: the
-first compile has no suffix, a recompile ``| recompile: <failed guard>``.  Not
-by compile order: an extra recompile on one rank leaves every other identity
-as it was.  Compiles with the same identity on a rank are one row, with their
-collective sequences concatenated in compile order.
+Graphs and recompiles are keyed by their identity across ranks (NOTE [graph identity] in :mod:`.identity`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import linecache
-import re
 from collections import defaultdict
 from collections.abc import Iterable
 from typing import Any
 
 import torch
 
-from .identity import break_id, fix_for
-from .records import AuditReport, Frame, Fusion, Graph, GraphBreak, Numerics, NumericsMismatch, RankSummary, Recompile
-
-_RESUME = re.compile(r"^torch_dynamo_resume_in_(.+)_at_(\d+)$")
-_CID_PREFIX = re.compile(r"^\s*!?[\d/]+:\s*", re.M)
-# Guards that compare an object's id() (ID_MATCH, TYPE_MATCH): the number differs per process.
-_GUARD_ID = re.compile(r"(___check_(?:obj|type)_id\([^()]*?,\s*)\d+(\))")
-_ADDRESS = re.compile(r"\b0x[0-9a-fA-F]{6,}\b")
-
-
-def _reason(raw: Any) -> str:
-    """A recompile's failed guard without what differs between processes (compile id, object ids, addresses).
-
-    An ``id()`` guard (``___check_obj_id(forward.__code__, 94211665358448)``) fails on every rank for the
-    same cause with a different number, so the number would split one recompile into a row per rank.
-    """
-    reason = _CID_PREFIX.sub("", str(raw or "")).strip()
-    return _ADDRESS.sub("0x…", _GUARD_ID.sub(r"\1<id>\2", reason))
+from ..model.kinds import BreakKind, RankStatus
+from ..model.records import (
+    AuditReport,
+    Frame,
+    Fusion,
+    Graph,
+    GraphBreak,
+    RankSummary,
+    Recompile,
+)
+from ..rank.identity import break_id, fix_for
+from ..schema import events as ev
+from .identity import RESUME, graph_id, recompile_reason
+from .numerics import merge_numerics
 
 
 def _snippet(path: str, line: int, context: int = 3) -> tuple[tuple[int, str], ...]:
@@ -94,18 +83,22 @@ class Merger:
         self._graphs: dict[str, dict[str, Any]] = {}
         self._interned: dict[tuple[str, ...], tuple[str, ...]] = {}
         self._ranks: dict[int, dict[str, Any]] = {}
-        self._numerics: dict[int, dict[str, Any]] = {}
+        self._numerics: dict[int, ev.Numerics] = {}
         self._internal: list[str] = []
         self._plugin: dict[str, Any] = {}
-        # The events .comm_merge.merge_comm reads, for ranks that recorded a communication report.
-        self._comm_events: dict[int, list[dict[str, Any]]] = {}
+        # The events .comm.merge_comm reads, for ranks that recorded a communication report.
+        self._comm_events: dict[int, list[ev.Event]] = {}
 
     def _intern(self, seq: list[str]) -> tuple[str, ...]:
         t = tuple(seq)
         return self._interned.setdefault(t, t)
 
-    def add_rank(self, rank: int, events: Iterable[dict[str, Any]]) -> None:
-        """Fold every event of ``rank`` (read once, in order)."""
+    def add_rank(self, rank: int, events: Iterable[ev.Event | dict[str, Any]]) -> None:
+        """Fold every event of ``rank`` (read once, in order): typed events, or their rank-file dicts.
+
+        Raises:
+            ValueError: a dict that is no valid event (:func:`..schema.events.parse_event`).
+        """
         info: dict[str, Any] = {
             "start": {},
             "end": None,
@@ -117,52 +110,53 @@ class Merger:
             "compile_time_s": 0.0,
         }
         seqs: dict[str, list[str]] = defaultdict(list)
-        comm: list[dict[str, Any]] = []
+        comm: list[ev.Event] = []
         has_comm = False
         # Fusions by compile id: a forward graph's arrive before its compile event, a lazy backward's after it.
         graph_of: dict[str, str] = {}
-        pending: dict[str, list[dict[str, Any]]] = defaultdict(list)
-        for e in events:
-            ev = e.get("ev")
-            if ev in ("comm_graph", "numerics"):
-                comm.append(e)
-                has_comm = has_comm or ev == "comm_graph"
-            elif ev == "compile":
-                comm.append({k: e.get(k) for k in ("ev", "compile_id", "file", "line", "function", "recompile_reason")})
-            if ev == "break":
+        pending: dict[str, list[ev.Fusion]] = defaultdict(list)
+        for raw in events:
+            e = ev.parse_event(raw)
+            if isinstance(e, ev.Break):
                 self._add_break(rank, e)
-                info["frame_skips" if e["kind"] == "frame_skip" else "graph_breaks"] += 1
-            elif ev == "compile":
-                info["compile_time_s"] += float(e.get("time_s") or 0.0)
-                if e.get("recompile_reason"):
+                info["frame_skips" if e.kind == BreakKind.FRAME_SKIP else "graph_breaks"] += 1
+            elif isinstance(e, ev.Compile):
+                # What the communication report needs of a compile: its graph's identity.
+                comm.append(dataclasses.replace(e, collectives={}, backward_collectives={}, collective_sequence=(),
+                                                backward_collective_sequence=(), fail_reason=None))  # fmt: skip
+                info["compile_time_s"] += e.time_s
+                if e.recompile_reason:
                     info["recompiles"] += 1
                     self._add_recompile(rank, e)
-                if e.get("has_graph"):
+                if e.has_graph:
                     info["graphs"] += 1
                     gid = self._add_graph(rank, e)
                     seqs[gid] += _sequence(e)
-                    graph_of[str(e.get("compile_id"))] = gid
-                    for f in pending.pop(str(e.get("compile_id")), ()):
+                    graph_of[e.compile_id] = gid
+                    for f in pending.pop(e.compile_id, ()):
                         self._add_fusion(rank, gid, f)
                 else:
-                    pending.pop(str(e.get("compile_id")), None)
-            elif ev == "fusion":
-                cid = str(e.get("compile_id"))
-                if e.get("after_compile") and cid in graph_of:
-                    self._add_fusion(rank, graph_of[cid], e)
+                    pending.pop(e.compile_id, None)
+            elif isinstance(e, ev.Fusion):
+                if e.after_compile and e.compile_id in graph_of:
+                    self._add_fusion(rank, graph_of[e.compile_id], e)
                 else:
-                    pending[cid].append(e)
-            elif ev == "start":
-                info["start"] = {k: e.get(k) for k in ("host", "node_rank", "local_rank")}
-                self._plugin = self._plugin or dict(e.get("plugin", {}))
-            elif ev == "end":
-                info["end"] = {"counters": e.get("counters", {})}
-            elif ev == "error":
-                info["error"] = info["error"] or e["message"]
-            elif ev == "numerics":
+                    pending[e.compile_id].append(e)
+            elif isinstance(e, ev.CommGraph):
+                comm.append(e)
+                has_comm = True
+            elif isinstance(e, ev.Start):
+                info["start"] = {"host": e.host, "node_rank": e.node_rank, "local_rank": e.local_rank}
+                self._plugin = self._plugin or dict(e.plugin)
+            elif isinstance(e, ev.End):
+                info["end"] = {"counters": e.counters}
+            elif isinstance(e, ev.Error):
+                info["error"] = info["error"] or e.message
+            elif isinstance(e, ev.Numerics):
+                comm.append(e)
                 self._numerics[rank] = e
-            elif ev == "internal":
-                self._internal.append(f"rank {rank}: {e['message']}")
+            elif isinstance(e, ev.Internal):
+                self._internal.append(f"rank {rank}: {e.message}")
         # Fusions still pending belong to a compile that never finished (no graph): left out.
         for gid, seq in seqs.items():
             self._graphs[gid]["seqs"][rank] = self._intern(seq)
@@ -170,43 +164,41 @@ class Merger:
         if has_comm:
             self._comm_events[rank] = comm
 
-    def _add_recompile(self, rank: int, e: dict[str, Any]) -> None:
-        reason = _reason(e["recompile_reason"])
-        rid = f"{e['file']}:{e['line']} {e['function']} | {reason}"
+    def _add_recompile(self, rank: int, e: ev.Compile) -> None:
+        reason = recompile_reason(e.recompile_reason)
+        rid = f"{e.file}:{e.line} {e.function} | {reason}"
         g = self._recompiles.setdefault(rid, {"e": e, "reason": reason, "counts": defaultdict(int)})
         g["counts"][rank] += 1
-        m = _RESUME.match(e.get("code_name", ""))
+        m = RESUME.match(e.code_name)
         if m:
-            self._resume_recompiles[(e["file"], int(m.group(2)))] += 1
+            self._resume_recompiles[(e.file, int(m.group(2)))] += 1
 
-    def _add_break(self, rank: int, e: dict[str, Any]) -> None:
-        stack = e["stack"]
-        idx = min(max(int(e.get("user_index", len(stack) - 1)), 0), len(stack) - 1)
+    def _add_break(self, rank: int, e: ev.Break) -> None:
+        stack = e.stack
+        user = len(stack) - 1 if e.user_index is None else e.user_index
+        idx = min(max(user, 0), len(stack) - 1)
         file, line, function, _ = stack[idx]
-        bid = break_id(e["gb_type"], file, int(line), function)
+        bid = break_id(e.gb_type, file, int(line), function)
         g = self._breaks.setdefault(
             bid, {"e": e, "idx": idx, "counts": defaultdict(int), "phases": set(), "kinds": set(), "wrappers": set()}
         )
         g["counts"][rank] += 1
-        g["phases"].add(e.get("phase", "forward"))
-        g["kinds"].add(e["kind"])
-        if e.get("wrapper"):
-            g["wrappers"].add(e["wrapper"])
+        g["phases"].add(e.phase)
+        g["kinds"].add(e.kind)
+        if e.wrapper:
+            g["wrappers"].add(e.wrapper)
 
-    def _add_fusion(self, rank: int, gid: str, f: dict[str, Any]) -> None:
-        key = (f["fusion"], f.get("kernel", ""), f.get("group_name", ""), int(f.get("nbytes", 0)), f.get("node", ""))
-        self._graphs[gid]["fusions"].setdefault((*key, f.get("phase", "forward")), set()).add(rank)
+    def _add_fusion(self, rank: int, gid: str, f: ev.Fusion) -> None:
+        key = (f.fusion, f.kernel, f.group_name, f.nbytes, f.node, f.phase)
+        self._graphs[gid]["fusions"].setdefault(key, set()).add(rank)
 
-    def _add_graph(self, rank: int, e: dict[str, Any]) -> str:
+    def _add_graph(self, rank: int, e: ev.Compile) -> str:
         gid = graph_id(e)
         g = self._graphs.setdefault(gid, {"e": e, "ops": {}, "colls": None, "seqs": {}, "time": 0.0, "fusions": {}})
-        g["ops"][rank] = int(e["op_count"])
+        g["ops"][rank] = e.op_count
         if g["colls"] is None:
-            g["colls"] = (
-                tuple(sorted(e["collectives"].items())),
-                tuple(sorted(e["backward_collectives"].items())),
-            )
-        g["time"] = max(g["time"], float(e.get("time_s") or 0.0))
+            g["colls"] = (tuple(sorted(e.collectives.items())), tuple(sorted(e.backward_collectives.items())))
+        g["time"] = max(g["time"], e.time_s)
         return gid
 
     # ---- the report ---------------------------------------------------------------
@@ -235,10 +227,12 @@ class Merger:
             info = self._ranks.get(r, {})
             st = statuses.setdefault(r, {})
             if "status" not in st:
-                st["status"] = "error" if info.get("error") else ("ok" if info.get("end") else "died")
+                st["status"] = (
+                    RankStatus.ERROR if info.get("error") else (RankStatus.OK if info.get("end") else RankStatus.DIED)
+                )
             if not st.get("error") and info.get("error"):
                 st["error"] = info["error"]
-        ok = {r for r, s in statuses.items() if s.get("status") == "ok"}
+        ok = {r for r, s in statuses.items() if s.get("status") == RankStatus.OK}
         ref = ok or set(self._ranks)
         multi = len(ref) > 1
         recompiles = self._recompile_records(ref, multi)
@@ -258,7 +252,7 @@ class Merger:
                 for r in recompiles
             )
         summaries = tuple(self._rank_summary(r, statuses[r]) for r in covered)
-        from .comm_merge import merge_comm
+        from .comm import merge_comm
 
         return AuditReport(
             target=target,
@@ -271,7 +265,7 @@ class Merger:
             recompiles=recompiles,
             ranks=summaries,
             errors=tuple(errors) + tuple(self._internal),
-            numerics=_numerics(self._numerics),
+            numerics=merge_numerics(self._numerics),
             comm=merge_comm(
                 self._comm_events, ref, graph_id, breaks=tuple(dict.fromkeys(f"{b.file}:{b.line}" for b in breaks))
             ),
@@ -281,9 +275,9 @@ class Merger:
         out = (
             Recompile(
                 id=rid,
-                function=g["e"]["function"],
-                file=g["e"]["file"],
-                line=int(g["e"]["line"]),
+                function=g["e"].function,
+                file=g["e"].file,
+                line=g["e"].line,
                 reason=g["reason"],
                 ranks=tuple(sorted(g["counts"])),
                 count_by_rank=tuple(sorted(g["counts"].items())),
@@ -298,7 +292,7 @@ class Merger:
         breaks = []
         for bid, g in self._breaks.items():
             e, idx = g["e"], g["idx"]
-            frames = tuple(Frame(str(f[0]), int(f[1]), str(f[2]), str(f[3])) for f in e["stack"])
+            frames = tuple(Frame(str(f[0]), int(f[1]), str(f[2]), str(f[3])) for f in e.stack)
             user = frames[idx]
             counts = dict(g["counts"])
             caused = sum(
@@ -309,32 +303,32 @@ class Merger:
             occurrences = sum(counts.values())
             text = "\n".join(
                 [
-                    e.get("context", ""),
-                    e.get("explanation", ""),
-                    e.get("reason", ""),
+                    e.context,
+                    e.explanation,
+                    e.reason,
                     *(f"{f.file} {f.source}" for f in frames),
                 ]
             )
             breaks.append(
                 GraphBreak(
                     id=bid,
-                    kind="frame_skip" if "frame_skip" in g["kinds"] else "graph_break",
-                    gb_type=e["gb_type"],
+                    kind=BreakKind.FRAME_SKIP if BreakKind.FRAME_SKIP in g["kinds"] else BreakKind.GRAPH_BREAK,
+                    gb_type=e.gb_type,
                     wrapper=", ".join(sorted(g["wrappers"])),
                     file=user.file,
                     line=user.line,
                     function=user.function,
                     source=user.source,
-                    reason=e.get("reason", ""),
-                    explanation=e.get("explanation", ""),
-                    hints=tuple(e.get("hints", ())),
-                    fix=fix_for(e["gb_type"], text, e.get("hints", ()), bool(e["distributed"])),
-                    distributed=bool(e["distributed"]),
+                    reason=e.reason,
+                    explanation=e.explanation,
+                    hints=e.hints,
+                    fix=fix_for(e.gb_type, text, e.hints, e.distributed),
+                    distributed=e.distributed,
                     phase=_phase(g["phases"]),
                     ranks=tuple(sorted(counts)),
                     count_by_rank=tuple(sorted(counts.items())),
                     stack=frames,
-                    snippet=_snippet(e.get("abs_file", user.file), user.line),
+                    snippet=_snippet(user.file if e.abs_file is None else e.abs_file, user.line),
                     recompiles_caused=caused,
                     hang_risk=False,
                     divergent=multi and _divergent(counts, ref),
@@ -356,10 +350,10 @@ class Merger:
             graphs.append(
                 Graph(
                     id=gid,
-                    function=e["function"],
-                    file=e["file"],
-                    line=int(e["line"]),
-                    phase=e.get("phase", "forward"),
+                    function=e.function,
+                    file=e.file,
+                    line=e.line,
+                    phase=e.phase,
                     ranks=tuple(sorted(g["ops"])),
                     op_count_by_rank=tuple(sorted(g["ops"].items())),
                     collectives=g["colls"][0],
@@ -380,7 +374,7 @@ class Merger:
         counters = (end or {}).get("counters", {})
         return RankSummary(
             rank=r,
-            status=st["status"],
+            status=RankStatus(st["status"]),
             error=st.get("error", "") or "",
             graph_breaks=info.get("graph_breaks", 0),
             frame_skips=info.get("frame_skips", 0),
@@ -398,7 +392,7 @@ class Merger:
 
 
 def merge(
-    events_by_rank: dict[int, list[dict[str, Any]]],
+    events_by_rank: dict[int, list[ev.Event | dict[str, Any]]],
     *,
     target: str,
     world_size: int,
@@ -421,47 +415,9 @@ def merge(
     )
 
 
-def _numerics(per_rank: dict[int, dict[str, Any]]) -> Numerics | None:
-    if not per_rank:
-        return None
-    mismatches = sorted(
-        (
-            NumericsMismatch(
-                rank=r,
-                index=int(m["index"]),
-                kind=m["kind"],
-                name=m["name"],
-                detail=m.get("detail", ""),
-                max_abs=m.get("max_abs"),
-                max_rel=m.get("max_rel"),
-            )
-            for r, e in per_rank.items()
-            for m in e["mismatches"]
-        ),
-        key=lambda m: (m.index, m.rank),
-    )
-    return Numerics(
-        compared=max(int(e["compared"]) for e in per_rank.values()),
-        ranks=tuple(sorted(per_rank)),
-        mismatches=tuple(mismatches),
-    )
-
-
-def graph_id(e: dict[str, Any]) -> str:
-    """The identity of a compiled graph: its code object and why it was compiled (see NOTE [graph identity])."""
-    base = f"{e['file']}:{e['line']} {e['function']}"
-    reason = _reason(e.get("recompile_reason"))
-    return f"{base} | recompile: {reason.splitlines()[0].split('  #')[0].strip()}" if reason else base
-
-
-def _sequence(e: dict[str, Any]) -> list[str]:
+def _sequence(e: ev.Compile) -> list[str]:
     """The collectives a compile issues, in order: forward graph, then backward (``bwd:`` names)."""
-    fwd = e.get("collective_sequence")
-    bwd = e.get("backward_collective_sequence")
-    if fwd is None:  # events from before sequences were recorded: sorted counts
-        fwd = [n for n, k in sorted(e.get("collectives", {}).items()) for _ in range(k)]
-        bwd = [n for n, k in sorted(e.get("backward_collectives", {}).items()) for _ in range(k)]
-    return list(fwd) + [f"bwd:{n}" for n in bwd or ()]
+    return [*e.collective_sequence, *(f"bwd:{n}" for n in e.backward_collective_sequence)]
 
 
 def _divergent(counts: dict[int, int], ref: set[int]) -> bool:

@@ -3,7 +3,7 @@
 ``merge_dir(DIR)`` is what ``dynamo-ext audit merge DIR`` and the local
 ``dynamo-ext audit --nproc N`` both call: the files are read one at a time and
 folded by :class:`.merge.Merger` (NOTE [streaming merge]).  The world size
-comes from the files' headers (NOTE [rank file] in :mod:`.collect`); a rank
+comes from the files' headers (NOTE [rank file] in :mod:`..rank.collect`); a rank
 the headers promise but the directory lacks is ``missing``, a file without its
 ``end`` line was cut short (``died``), and both are named with their host.  A
 directory without rank files but with ``TORCH_TRACE`` logs is read by
@@ -19,14 +19,14 @@ import re
 from collections.abc import Iterator
 from typing import Any
 
-from .merge import Merger
-from .records import AuditReport
+from ..model.kinds import INCOMPLETE, RankStatus
+from ..model.records import AuditReport
+from ..schema import events as ev
+from .merger import Merger
 
 logger = logging.getLogger(__name__)
 
 RANK_FILE = re.compile(r"^rank(\d+)\.jsonl$")
-# Statuses that mean the rank's findings are incomplete.
-INCOMPLETE = ("error", "died", "timeout", "stopped", "missing")
 
 
 def rank_files(directory: str) -> dict[int, str]:
@@ -40,57 +40,69 @@ def rank_files(directory: str) -> dict[int, str]:
 
 
 class _RankFile:
-    """Streams one rank file's events and remembers what its header, end and damage said."""
+    """Streams one rank file's typed events and remembers what its header, end and damage said."""
 
     def __init__(self, rank: int, path: str) -> None:
         self.rank = rank
         self.path = path
-        self.header: dict[str, Any] = {}
-        self.end: dict[str, Any] | None = None
-        self.error: dict[str, Any] | None = None
+        self.header: ev.Start | None = None
+        self.end: ev.End | None = None
+        self.error: ev.Error | None = None
         self.events = 0
         self.last = "nothing"
         self.torn = False  # the last line is incomplete: the process died while writing it
         self.bad_lines = 0
 
-    def __iter__(self) -> Iterator[dict[str, Any]]:
+    def __iter__(self) -> Iterator[ev.Event]:
+        """The events in file order (NOTE [rank-file format]).
+
+        Raises:
+            RankFileVersionError: the header's format version is not the one this dynamo-ext reads.
+        """
         with open(self.path, encoding="utf-8", errors="replace") as f:
             for line in f:
                 if not line.strip():
                     continue
                 try:
-                    e = json.loads(line)
+                    e = ev.parse_event(json.loads(line))
                 except json.JSONDecodeError:
                     if line.endswith("\n"):
                         self.bad_lines += 1
                     else:
                         self.torn = True
                     continue
-                if not isinstance(e, dict) or "ev" not in e:
+                except ValueError as why:
+                    logger.debug("%s: skipped a line: %s", self.path, why)
                     self.bad_lines += 1
                     continue
                 self.events += 1
-                self.last = e["ev"]
-                if e["ev"] == "start":
+                self.last = e.KIND.value
+                if isinstance(e, ev.Start):
+                    ev.check_format_version(e, self.path)
                     self.header = e
-                elif e["ev"] == "end":
+                elif isinstance(e, ev.End):
                     self.end = e
-                elif e["ev"] == "error" and self.error is None:
+                elif isinstance(e, ev.Error) and self.error is None:
                     self.error = e
                 yield e
 
     def status(self) -> dict[str, Any]:
-        """This rank's status from what its file holds (see :class:`.records.RankSummary`)."""
+        """This rank's status from what its file holds (see :class:`..model.records.RankSummary`)."""
         if self.error is not None:
-            st = "stopped" if self.error.get("type") == "Terminated" else "error"
-            return {"status": st, "error": self.error.get("message", "")}
+            st = RankStatus.STOPPED if self.error.type == "Terminated" else RankStatus.ERROR
+            return {"status": st, "error": self.error.message}
         if self.end is not None:
-            code = int(self.end.get("status") or 0)
-            return {"status": "ok"} if code == 0 else {"status": "error", "error": f"exit status {code}"}
-        if not self.header:
-            return {"status": "died", "error": "rank file has no header: the process ended before writing anything"}
+            code = self.end.status
+            return (
+                {"status": RankStatus.OK} if code == 0 else {"status": RankStatus.ERROR, "error": f"exit status {code}"}
+            )
+        if self.header is None:
+            return {
+                "status": RankStatus.DIED,
+                "error": "rank file has no header: the process ended before writing anything",
+            }
         return {
-            "status": "died",
+            "status": RankStatus.DIED,
             "error": f"rank file cut short after {self.events} record(s) (last: {self.last}"
             + (", then a torn line" if self.torn else "")
             + "): the process was killed before it finished",
@@ -136,6 +148,7 @@ def merge_dir(
     Raises:
         FileNotFoundError: ``directory`` does not exist.
         ValueError: it holds neither rank files nor ``TORCH_TRACE`` logs.
+        RankFileVersionError: (a ``ValueError``) a rank file of another format version (NOTE [rank-file format]).
     """
     if not os.path.isdir(directory):
         raise FileNotFoundError(f"no such directory: {directory!r}")
@@ -158,14 +171,15 @@ def merge_dir(
         rf = _RankFile(rank, files[rank])
         merger.add_rank(rank, rf)
         found[rank] = rf.status()
-        if rf.header:
-            headers[rank] = {k: rf.header.get(k) for k in ("world_size", "host", "node_rank", "local_rank")}
-            headers[rank]["local_world_size"] = rf.header.get("local_world_size")
-            target = target or str(rf.header.get("target", ""))
-            torch_versions.add(str(rf.header.get("torch_version", "")))
+        if rf.header is not None:
+            h = rf.header
+            headers[rank] = {"world_size": h.world_size, "host": h.host, "node_rank": h.node_rank,
+                             "local_rank": h.local_rank, "local_world_size": h.local_world_size}  # fmt: skip
+            target = target or h.target
+            torch_versions.add(h.torch_version)
         if rf.bad_lines:
             logger.warning("%s: %d line(s) that are not audit records were skipped", rf.path, rf.bad_lines)
-    worlds = {int(h.get("world_size", 0)) for h in headers.values()}
+    worlds = {int(h.get("world_size") or 0) for h in headers.values()}
     lines = list(errors)
     if len(worlds) > 1:
         lines.append(
@@ -179,7 +193,7 @@ def merge_dir(
         host, node = _infer_host(rank, headers)
         where = f"host {host}, node {node}" if host else "host unknown"
         found[rank] = {
-            "status": "missing",
+            "status": RankStatus.MISSING,
             "error": f"no rank file for rank {rank} of {world} ({where}): the rank never started or wrote elsewhere",
             "host": host,
             "node_rank": node,

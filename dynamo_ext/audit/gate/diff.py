@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from .ranges import format_ranks
-from .records import AuditReport, GraphBreak
+from ...rank_ranges import format_ranks
+from ..model.records import AuditReport, GraphBreak
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,7 +115,7 @@ def read_gate_arguments(args: argparse.Namespace) -> tuple[AuditReport | None, s
         return None, f"--comm-budget must be a number of bytes >= 0, got {args.comm_budget}"
     if not args.baseline:
         return None, None
-    from .records import load_report
+    from ..model.io import load_report
 
     try:
         return load_report(args.baseline), None

@@ -9,8 +9,9 @@ from rich.console import Console, Group
 from rich.table import Table
 from rich.text import Text
 
-from .ranges import format_counts, format_ranks, group_by
-from .records import AuditReport, GraphBreak, RankSummary
+from ..model.kinds import BreakKind, RankStatus
+from ..model.ranges import format_counts, format_ranks, group_by
+from ..model.records import AuditReport, GraphBreak, RankSummary, register_text_renderer
 
 _NONE = "-"
 
@@ -72,7 +73,7 @@ def _breaks(report: AuditReport) -> Table | Text:
         where = Text(f"{b.location}\n{b.function}()\n")
         where.append(b.source, style="cyan")
         what = Text(b.gb_type, style="bold")
-        if b.kind == "frame_skip":
+        if b.kind == BreakKind.FRAME_SKIP:
             what.append(f"  [frame skipped{': ' + b.wrapper if b.wrapper else ''}]", style="yellow")
         if b.distributed:
             what.append("  [distributed]", style="magenta")
@@ -165,7 +166,7 @@ def _ranks_table(report: AuditReport) -> Table:
     for k, ranks in group_by((r.rank, key(r)) for r in report.ranks):
         rows = [by_rank[x] for x in ranks]
         first = rows[0]
-        status = Text(first.status, style="green" if first.status == "ok" else "bold red")
+        status = Text(first.status, style="green" if first.status == RankStatus.OK else "bold red")
         if first.error:
             status.append(f": {first.error}", style="red")
         t.add_row(
@@ -201,7 +202,7 @@ def renderables(report: AuditReport) -> Group:
             parts.append(extra)
     parts.append(_ranks_table(report))
     if report.comm is not None:
-        from .comm_render import comm_renderables
+        from .comm import comm_renderables
 
         parts.append(comm_renderables(report.comm))
     num = report.numerics
@@ -262,3 +263,7 @@ def print_report(report: AuditReport, console: Console | None = None) -> None:
         if not console.is_terminal:
             console = Console(highlight=False, width=140)
     console.print(renderables(report))
+
+
+# str(report) is this text (NOTE [report text] in model/records.py).
+register_text_renderer(render_text)

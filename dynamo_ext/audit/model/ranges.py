@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Hashable, Iterable
 from typing import TypeVar
 
-from ..rank_ranges import format_ranks
+from ...rank_ranges import format_ranks
 
 __all__ = ["format_counts", "format_ranks", "group_by"]
 

@@ -15,7 +15,7 @@ and the loss and gradients must match it (:func:`check_against_eager` raises).
 from the same state.
 
 Also runnable under torchrun:
-``torchrun --nproc-per-node 4 -m dynamo_ext.audit.example_llama``.
+``torchrun --nproc-per-node 4 -m dynamo_ext.audit.targets.example_llama``.
 Environment knobs: ``DYNAMO_EXT_EXAMPLE_BACKEND`` (default ``aot_eager``),
 ``DYNAMO_EXT_EXAMPLE_COMPILED_AUTOGRAD=0`` (leave the backward to eager
 autograd).

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .. import graph_breaks
+from ... import graph_breaks
 
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _FX_FILE = re.compile(r"<eval_with_key>\.\d+")

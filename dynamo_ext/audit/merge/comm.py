@@ -4,7 +4,7 @@ NOTE [like-with-like collective counts]
 ``CommDebugMode`` counts what the eager step dispatches: DTensor's functional
 collectives under their legacy names (``c10d_functional.all_reduce``) and
 FSDP2's c10d ops (``c10d._allgather_base_``, ``c10d._reduce_scatter_base_``).
-Both map to a traffic kind here (:data:`EAGER_KINDS`, :data:`.comm.TRAFFIC`).
+Both map to a traffic kind (:data:`..rank.eager_comm.EAGER_KINDS`, :data:`..rank.comm.TRAFFIC`).
 Eager FSDP2 issues one all-gather (and one reduce-scatter) of a flat buffer per
 FSDP group; the plugin's traced FSDP2 issues one per parameter, so compiled
 FSDP collectives are counted once per (graph, module, kind) - one FSDP group,
@@ -20,105 +20,11 @@ Where the counts still differ, :mod:`.comm_explain` says why per module.
 
 from __future__ import annotations
 
-import contextlib
 from collections import defaultdict
-from collections.abc import Iterator
 from typing import Any
 
-from .comm import TRAFFIC
-from .records import Collective, Comm, CountDifference, ModuleComm
-
-# CommDebugMode's c10d op names -> traffic kind.
-EAGER_KINDS = {
-    "_allgather_base_": "all_gather",
-    "allgather_": "all_gather",
-    "allgather_coalesced_": "all_gather",
-    "allgather_into_tensor_coalesced_": "all_gather",
-    "_reduce_scatter_base_": "reduce_scatter",
-    "reduce_scatter_": "reduce_scatter",
-    "reduce_scatter_tensor_coalesced_": "reduce_scatter",
-    "allreduce_": "all_reduce",
-    "allreduce_coalesced_": "all_reduce",
-    "alltoall_": "all_to_all",
-    "alltoall_base_": "all_to_all",
-    "broadcast_": "broadcast",
-    **TRAFFIC,
-}
-
-
-def eager_kind(op_name: str) -> str:
-    """Traffic kind of a ``CommDebugMode`` key (``"c10d._allgather_base_"`` -> ``"all_gather"``); else the name."""
-    short = op_name.rsplit(".", 1)[-1]
-    return EAGER_KINDS.get(short, short)
-
-
-def eager_module_path(name: str) -> str:
-    """``CommDebugMode``'s module name as the report's module path.
-
-    ``"Transformer.layers.0._checkpoint_wrapped_module.attention"`` -> ``"layers.0.attention"``
-    (the root's class name and activation checkpointing's wrapper dropped, as
-    :func:`.comm.module_path` does); the root -> ``"<root>"``; ``"Global"`` (the whole step) stays.
-    """
-    if name == "Global":
-        return name
-    parts = [p for p in name.split(".")[1:] if p != "_checkpoint_wrapped_module"]
-    return ".".join(parts) or "<root>"
-
-
-@contextlib.contextmanager
-def count_eager(into: dict[str, Any]) -> Iterator[None]:
-    """Count the collectives run inside, per phase and kind, with ``CommDebugMode``; fills ``into`` on exit.
-
-    ``into`` becomes ``{"forward": {kind: n}, "backward": {kind: n}, "modules": {path: {phase: {kind: n}}},
-    "modules_c10d": ...}`` (phases as ``CommDebugMode``'s module tracker sees them).  ``modules``: per
-    module path (:func:`eager_module_path`), the collectives issued while that module or one inside it
-    ran (``CommDebugMode.comm_module_counts``: a module's count includes its submodules'), ``"Global"``
-    the whole step; ``modules_c10d``: the same for c10d's own ops only (``c10d._allgather_base_``: what
-    FSDP2's hooks and explicit ``dist`` calls issue; DTensor issues functional collectives).  What the
-    communication report's count differences are explained with (:mod:`.comm_explain`).
-    """
-    from torch.distributed.tensor.debug import CommDebugMode
-
-    mode = CommDebugMode()
-    with mode:
-        yield
-    modules: dict[str, dict[str, dict[str, int]]] = {}
-    c10d: dict[str, dict[str, dict[str, int]]] = {}
-    # A wrapper and the module it wraps share a path; the wrapper (the shorter name) counts both: it wins.
-    for name, phases in sorted(mode.comm_module_counts.items(), key=lambda kv: len(str(kv[0]))):
-        path = eager_module_path(str(name))
-        if path in modules:
-            continue
-        for into_modules, only_c10d in ((modules, False), (c10d, True)):
-            per_phase = {}
-            for phase in ("forward", "backward"):
-                per: dict[str, int] = defaultdict(int)
-                for op, n in phases.get(phase, {}).items():
-                    if not only_c10d or str(op).startswith("c10d."):
-                        per[eager_kind(str(op))] += int(n)
-                per_phase[phase] = dict(per)
-            into_modules[path] = per_phase
-    glob = modules.get("Global", {})
-    for phase in ("forward", "backward"):
-        into[phase] = glob.get(phase, {})
-    into["modules"] = modules
-    into["modules_c10d"] = c10d
-
-
-def eager_counted_step(spec: Any) -> tuple[Any, dict[str, Any]]:
-    """``spec`` (a :class:`.numerics.Step`) whose eager ``step(False)`` is counted by :func:`count_eager`."""
-    import dataclasses
-
-    counts: dict[str, Any] = {}
-    inner = spec.step
-
-    def step(compiled: bool) -> Any:
-        if compiled:
-            return inner(True)
-        with count_eager(counts):
-            return inner(False)
-
-    return dataclasses.replace(spec, step=step), counts
+from ..model.records import Collective, Comm, CountDifference, ModuleComm
+from ..schema import events as ev
 
 
 def _like_counted(colls: list[Collective]) -> list[Collective]:
@@ -145,40 +51,40 @@ def _like_counts(counted: list[Collective]) -> dict[tuple[str, str], int]:
 
 
 def merge_comm(
-    events_by_rank: dict[int, list[dict[str, Any]]], ref: set[int], graph_id_of: Any, breaks: tuple[str, ...] = ()
+    events_by_rank: dict[int, list[ev.Event]], ref: set[int], graph_id_of: Any, breaks: tuple[str, ...] = ()
 ) -> Comm | None:
     """One :class:`Comm` from every rank's ``comm_graph`` events; ``None`` when no rank sent one.
 
-    ``graph_id_of(compile_event)`` names a graph (:func:`.merge.graph_id`);
+    ``graph_id_of(compile_event)`` names a graph (:func:`.identity.graph_id`);
     ``ref``: the ranks whose records are shown (the finished ones); ``breaks``: ``"file:line"`` of
     the graph breaks, named where a count difference comes from code run eagerly.
     """
-    if not any(e["ev"] == "comm_graph" for evs in events_by_rank.values() for e in evs):
+    if not any(isinstance(e, ev.CommGraph) for evs in events_by_rank.values() for e in evs):
         return None
     missing = tuple(
-        f"rank {r}: {e['missing']}"
+        f"rank {r}: {e.missing}"
         for r, evs in sorted(events_by_rank.items())
         for e in evs
-        if e["ev"] == "comm_graph" and e.get("missing")
+        if isinstance(e, ev.CommGraph) and e.missing
     )
     unknown: list[str] = []
     rows: dict[tuple[str, str, int], dict[str, Any]] = {}
     order: list[tuple[str, str, int]] = []
     per_rank_sent: dict[int, int] = defaultdict(int)
     for rank, evs in sorted(events_by_rank.items()):
-        ids = {e["compile_id"]: graph_id_of(e) for e in evs if e["ev"] == "compile"}
-        graphs = [e for e in evs if e["ev"] == "comm_graph"]
-        inlined_ids = {i for g in graphs for i in g.get("inlined_aot_ids", ())}
+        ids = {e.compile_id: graph_id_of(e) for e in evs if isinstance(e, ev.Compile)}
+        graphs = [e for e in evs if isinstance(e, ev.CommGraph)]
+        inlined_ids = {i for g in graphs for i in g.inlined_aot_ids}
         seen: dict[tuple[str, str], int] = defaultdict(int)
         for g in graphs:
-            gid = ids.get(g["compile_id"], g["compile_id"])
-            inlined = g["graph"] == "backward" and g.get("aot_id") in inlined_ids
-            if g["graph"] == "backward" and g.get("aot_id") is None and inlined_ids and g["collectives"]:
+            gid = ids.get(g.compile_id, g.compile_id)
+            inlined = g.graph == "backward" and g.aot_id in inlined_ids
+            if g.graph == "backward" and g.aot_id is None and inlined_ids and g.collectives:
                 unknown.append(f"rank {rank}: {gid}: AOT backward graph without an aot_id: inlined or not is unknown")
-            base = seen[(gid, g["graph"])]  # a graph compiled twice with one identity: rows follow on
-            seen[(gid, g["graph"])] += len(g["collectives"])
-            for c in g["collectives"]:
-                key = (gid, g["graph"], base + int(c["index"]))
+            base = seen[(gid, g.graph)]  # a graph compiled twice with one identity: rows follow on
+            seen[(gid, g.graph)] += len(g.collectives)
+            for c in g.collectives:
+                key = (gid, g.graph, base + int(c["index"]))
                 if not inlined:
                     per_rank_sent[rank] += int(c["sent"])
                 row = rows.get(key)
@@ -196,8 +102,8 @@ def merge_comm(
         colls.append(
             Collective(
                 graph=key[0],
-                graph_kind=g["graph"],
-                phase="forward" if g["graph"] == "forward" else "backward",
+                graph_kind=g.graph,
+                phase="forward" if g.graph == "forward" else "backward",
                 index=key[2],
                 op=c["op"],
                 kind=c["kind"],
@@ -270,19 +176,17 @@ def merge_comm(
     )
 
 
-def _numerics_rank(events_by_rank: dict[int, list[dict[str, Any]]], ref: set[int]) -> int | None:
+def _numerics_rank(events_by_rank: dict[int, list[ev.Event]], ref: set[int]) -> int | None:
     """The first rank (finished ones first) whose ``numerics`` event has eager counts."""
     for rank in sorted(ref) + sorted(set(events_by_rank) - ref):
-        if any(e["ev"] == "numerics" and e.get("eager_comm") for e in events_by_rank.get(rank, [])):
+        if any(isinstance(e, ev.Numerics) and e.eager_comm for e in events_by_rank.get(rank, [])):
             return rank
     return None
 
 
-def _eager_counts(events_by_rank: dict[int, list[dict[str, Any]]], ref: set[int]) -> tuple | None:
+def _eager_counts(events_by_rank: dict[int, list[ev.Event]], ref: set[int]) -> tuple | None:
     rank = _numerics_rank(events_by_rank, ref)
     if rank is None:
         return None
-    e = next(e for e in events_by_rank[rank] if e["ev"] == "numerics" and e.get("eager_comm"))
-    return tuple(
-        (ph, k, int(n)) for ph in ("backward", "forward") for k, n in sorted(e["eager_comm"].get(ph, {}).items())
-    )
+    e = next(e for e in events_by_rank[rank] if isinstance(e, ev.Numerics) and e.eager_comm)
+    return tuple((ph, k, int(n)) for ph in ("backward", "forward") for k, n in sorted(e.eager_comm.get(ph, {}).items()))

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 from html import escape
 
-from .ranges import format_counts, format_ranks
-from .records import AuditReport, GraphBreak
+from ..model.kinds import BreakKind, RankStatus
+from ..model.ranges import format_counts, format_ranks
+from ..model.records import AuditReport, GraphBreak
 
 _CSS = """
 body{font:14px system-ui,sans-serif;margin:1.5em;color:#222}
@@ -73,7 +74,7 @@ def _break_rows(report: AuditReport) -> list[str]:
     for n, bid in enumerate(ids, 1):
         b = mine.get(bid) or stock[bid]
         tags = []
-        if b.kind == "frame_skip":
+        if b.kind == BreakKind.FRAME_SKIP:
             tags.append(f'<span class="skip">frame skipped{": " + escape(b.wrapper) if b.wrapper else ""}</span>')
         if b.distributed:
             tags.append('<span class="dist">distributed</span>')
@@ -132,14 +133,14 @@ def render_html(report: AuditReport) -> str:
     ranks = [
         f'<tr class="rank-row"><td class="num">{r.rank}</td><td>{escape(r.host or "?")}'
         + (f" (node {r.node_rank})" if r.node_rank is not None else "")
-        + f'</td><td class="{"ok" if r.status == "ok" else "bad"}">{r.status}</td>'
+        + f'</td><td class="{"ok" if r.status == RankStatus.OK else "bad"}">{r.status}</td>'
         f'<td class="num">{r.graph_breaks}</td><td class="num">{r.frame_skips}</td><td class="num">{r.graphs}</td>'
         f'<td class="num">{r.recompiles}</td><td class="num">{r.compile_time_s:.2f}</td>'
         f"<td>{'-' if r.dynamo_graph_breaks is None else r.dynamo_graph_breaks}</td><td>{escape(r.error)}</td></tr>"
         for r in report.ranks
     ]
     errors = "".join(f'<p class="bad">error: {escape(e)}</p>' for e in report.errors)
-    if report.stock is not None and report.stock.failures:  # NOTE [stock failures are findings] in render.py
+    if report.stock is not None and report.stock.failures:  # NOTE [stock failures are findings] in render/text.py
         errors += (
             '<p class="skip">Stock run (without the plugin) failed; a finding of the stock column, not an error of '
             "the audit:</p><ul>" + "".join(f"<li>stock: {escape(f)}</li>" for f in report.stock.failures) + "</ul>"
@@ -165,7 +166,7 @@ def render_html(report: AuditReport) -> str:
         )
     comm_html = ""
     if report.comm is not None:
-        from .comm_render import comm_html as _comm_html
+        from .comm import comm_html as _comm_html
 
         comm_html = _comm_html(report.comm)
     stock_line = ""

@@ -9,7 +9,7 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
-from .records import Collective, Comm
+from ..model.records import Collective, Comm
 
 
 def human_bytes(n: float) -> str:

@@ -1,0 +1,1 @@
+"""The CI gate: budgets, the baseline and the diff of two reports."""

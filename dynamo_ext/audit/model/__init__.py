@@ -1,0 +1,1 @@
+"""The report model: frozen records merged over ranks, their JSON codec and the generated JSON schema."""
