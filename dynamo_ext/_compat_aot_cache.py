@@ -93,3 +93,28 @@ def compiled_graph_attributes(compiled: Any) -> dict[str, Any]:
     (and ``torch._dynamo.disable``, which AOTAutograd's backends wrap the backward in) copy it.
     """
     return dict(getattr(compiled, "__dict__", None) or {})
+
+
+def _functorch_config() -> Any:
+    return importlib.import_module("torch._functorch.config")
+
+
+def has_custom_autograd_function_switch() -> bool:
+    """Whether ``torch._functorch.config.autograd_cache_allow_custom_autograd_functions`` exists."""
+    return hasattr(_functorch_config(), "autograd_cache_allow_custom_autograd_functions")
+
+
+def custom_autograd_function_switch_on() -> bool:
+    """Whether the user already lets AOTAutograd's cache serve graphs with custom ``autograd.Function`` calls."""
+    return bool(getattr(_functorch_config(), "autograd_cache_allow_custom_autograd_functions", False))
+
+
+def cache_custom_autograd_functions() -> Any:
+    """Context manager: AOTAutograd's cache serves graphs with custom ``autograd.Function`` calls."""
+    return _functorch_config().patch(autograd_cache_allow_custom_autograd_functions=True)
+
+
+def is_autograd_function_apply(target: Any) -> bool:
+    """Whether an FX node target is Dynamo's ``autograd_function_apply`` higher-order op (a custom Function)."""
+    cls = getattr(importlib.import_module("torch._functorch.autograd_function"), "AutogradFunctionApply", None)
+    return cls is not None and isinstance(target, cls)
