@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
+import torch.distributed.nn.functional as dist_nn
 from torch._dynamo.utils import counters
 
 from dynamo_ext import _compat, _compat_aot_cache, collective_check
@@ -172,3 +173,55 @@ def test_uninstall_restores_the_aot_cache_lookup():
     finally:
         dynamo_ext.uninstall()
     assert cache.__dict__["_lookup"] is before
+
+
+class _UserFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * 2
+
+
+def _reduce(x):
+    return dist_nn.all_reduce(x)  # the plugin's own autograd.Function: AOTAutograd may cache it
+
+
+def _graphs(fn, x) -> list:
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch.compile(fn, backend=backend, fullgraph=True)(x)
+    return graphs
+
+
+def test_only_the_plugins_own_autograd_functions_are_let_into_the_aot_cache(world):
+    from dynamo_ext.aot_cache_policy import only_our_autograd_functions
+
+    x = torch.ones(4, requires_grad=True)
+    assert [only_our_autograd_functions(g) for g in _graphs(_reduce, x)] == [True]
+    assert [only_our_autograd_functions(g) for g in _graphs(lambda t: _UserFunction.apply(_reduce(t)), x)] == [False]
+    assert [only_our_autograd_functions(g) for g in _graphs(_UserFunction.apply, x)] == [False]
+    assert [only_our_autograd_functions(g) for g in _graphs(_gather, x)] == [False]  # no Function: nothing to allow
+
+
+def test_warm_graph_with_the_plugins_autograd_function_hits_the_aot_cache(checked_runs):
+    _train(_reduce, steps=1)
+    cold = list(checked_runs)
+    hits, misses = _cache_counts()
+    assert hits == 0 and misses >= 1  # (run after other tests, Inductor sometimes runs AOTAutograd twice here)
+    assert [[(phase, op) for phase, op, _ in run] for run in cold] == [
+        [("forward", "all_reduce")],
+        [("backward", "all_reduce")],
+    ]
+
+    _restart()
+    checked_runs.clear()
+    _train(_reduce, steps=1)
+    assert _cache_counts() == (1, 0)
+    assert checked_runs == cold
