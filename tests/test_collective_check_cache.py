@@ -213,8 +213,7 @@ def test_only_the_plugins_own_autograd_functions_are_let_into_the_aot_cache(worl
 def test_warm_graph_with_the_plugins_autograd_function_hits_the_aot_cache(checked_runs):
     _train(_reduce, steps=1)
     cold = list(checked_runs)
-    hits, misses = _cache_counts()
-    assert hits == 0 and misses >= 1  # (run after other tests, Inductor sometimes runs AOTAutograd twice here)
+    assert _cache_counts()[1] >= 1  # compiled (after other tests, sometimes twice: the second may hit the first)
     assert [[(phase, op) for phase, op, _ in run] for run in cold] == [
         [("forward", "all_reduce")],
         [("backward", "all_reduce")],
@@ -223,5 +222,6 @@ def test_warm_graph_with_the_plugins_autograd_function_hits_the_aot_cache(checke
     _restart()
     checked_runs.clear()
     _train(_reduce, steps=1)
-    assert _cache_counts() == (1, 0)
+    hits, misses = _cache_counts()
+    assert hits >= 1 and misses == 0
     assert checked_runs == cold
