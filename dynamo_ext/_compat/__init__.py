@@ -16,6 +16,7 @@ module is imported on first use.
 - :mod:`.dynamo`: trackers, builders, sources, guards, frames, the compile lock.
 - :mod:`.compiled_autograd`: compiled autograd and the autograd engine.
 - :mod:`.aot`: AOTAutograd (partitioner, cache, input fakification, checkpointing).
+- :mod:`.aot_cache`: AOTAutograd's cache entries: lookup, backward loading, custom autograd functions.
 - :mod:`.tracing`: fake tensors, symbolic shapes, dispatch modes, op metadata.
 - :mod:`.inductor`: Inductor config, lowerings, IR, post-grad passes, comm cost model.
 - :mod:`.structured_logs`: what a log handler can read of the graph or break being logged.
@@ -39,6 +40,19 @@ from .aot import (
     is_opaque_fx_node,
     partitioners_module,
     serializable_compiler,
+)
+from .aot_cache import (
+    aot_cache_class,
+    cache_custom_autograd_functions,
+    compiled_graph_attributes,
+    custom_autograd_function_switch_on,
+    entry_has_backward,
+    has_custom_autograd_function_switch,
+    is_autograd_function_apply,
+    lookup_as_attribute,
+    lookup_function,
+    records_dir,
+    wrap_cached_backward,
 )
 from .compiled_autograd import (
     compiled_autograd,
@@ -200,12 +214,14 @@ __all__ = [
     "VariableTracker",
     "aot_autograd_cache_off",
     "aot_backend_module",
+    "aot_cache_class",
     "aot_process_inputs",
     "aot_unwraps_async_collective_inputs",
     "async_collective_tensor_type",
     "aten_op",
     "backend_swapped",
     "backward_hook_variable_class",
+    "cache_custom_autograd_functions",
     "checkpoint_tags_nested_ops",
     "collective_kernel_cls",
     "comm_buffer_api",
@@ -215,11 +231,13 @@ __all__ = [
     "compiled_autograd_accumulate_grad_with_grad_arg",
     "compiled_autograd_enabled",
     "compiled_autograd_hooks",
+    "compiled_graph_attributes",
     "compiling_compiled_autograd_graph",
     "config_defaults",
     "config_module",
     "current_compile_id",
     "current_tx",
+    "custom_autograd_function_switch_on",
     "custom_graph_pass_base",
     "ddp_first_bucket_bytes",
     "ddp_submod_compiler",
@@ -237,6 +255,7 @@ __all__ = [
     "emit_structured_artifact",
     "empty_dict_guard",
     "ensure_symm_mem_for_group",
+    "entry_has_backward",
     "estimate_collective_ms",
     "fake_mode_of",
     "fake_tensor",
@@ -261,6 +280,7 @@ __all__ = [
     "group_ranks",
     "group_sequence_number",
     "guard_fail_reason_owner",
+    "has_custom_autograd_function_switch",
     "has_fake_tensor",
     "has_functional_collectives",
     "has_functional_op",
@@ -274,6 +294,7 @@ __all__ = [
     "install_checked_config_module",
     "install_guard",
     "ir_module",
+    "is_autograd_function_apply",
     "is_compiling_context",
     "is_higher_order_op",
     "is_opaque_fx_node",
@@ -281,6 +302,8 @@ __all__ = [
     "is_symm_mem_tensor",
     "is_traceable_subclass",
     "lambda_guard",
+    "lookup_as_attribute",
+    "lookup_function",
     "lowering_table",
     "make_lowering",
     "mesh_group_names",
@@ -295,6 +318,7 @@ __all__ = [
     "prefix_store",
     "process_group_info",
     "raise_observed_exception",
+    "records_dir",
     "reparametrize_module",
     "reset_submod_compiler_state",
     "root_lambda_guard",
@@ -315,6 +339,7 @@ __all__ = [
     "torch_dispatch_mode_base",
     "unimplemented",
     "user_function_variable",
+    "wrap_cached_backward",
     "wrap_fx_proxy",
     "wrap_inline",
 ]

@@ -338,6 +338,8 @@ def in_flight() -> list[dict[str, Any]]:
 
 
 def _like(run: Callable[..., Any], compiled: Callable[..., Any]) -> Callable[..., Any]:
+    # what AOTAutograd's cache reads from a compiled backward (its FX graph cache key: else no entry is saved)
+    run.__dict__.update(_compat.compiled_graph_attributes(compiled))
     run.__name__ = getattr(compiled, "__name__", "compiled")
     run.__wrapped__ = compiled  # type: ignore[attr-defined]
     if getattr(compiled, "_boxed_call", False):

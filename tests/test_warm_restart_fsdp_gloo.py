@@ -1,0 +1,67 @@
+"""FSDP2 trained from AOTAutograd's cache (a warm restart) matches eager, on 4 gloo ranks.
+
+Two launches share one cache directory: the first compiles (cold), the second
+is the restarted job (warm; a new process, so the process groups get the same
+names as in the first launch, which the graphs and the cache key hold).
+
+The plugin traces FSDP2's all-gather as an ``autograd.Function`` of its own,
+which AOTAutograd's cache serves only by NOTE [our autograd functions in
+AOTAutograd's cache]; this checks the graphs it serves give eager's losses,
+gradients (type, placement, local values) and parameters after several
+optimizer steps, with the collective check on.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pytest
+import torch
+from fsdp_training import build, diff, train
+from helpers import run_on_ranks
+
+pytestmark = [pytest.mark.gloo, pytest.mark.slow]  # two 4-process launches, each an eager and a compiled training
+
+# FSDP2 on a 1-D mesh, nested.  FSDP over TP is left out: on torch 2.13 AOTAutograd's cache key of a graph
+# with 2-D mesh inputs differs between launches (stock's too), so a restart misses (benchmarks/README.md).
+CONFIG = {"steps": 3}
+TOL = 1e-5
+
+
+def _rank(rank: int, world: int, cache_dir: str) -> dict[str, Any]:
+    """Eager training, then compiled training (compile included) with the shared cache directory."""
+    from torch._dynamo.utils import counters
+
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir
+    torch._functorch.config.enable_autograd_cache = True
+    torch._inductor.config.fx_graph_cache = True
+    net = build(world, **CONFIG)
+    eager = train(net, net, rank, **CONFIG)
+    counters.clear()
+    net = build(world, **CONFIG)
+    compiled = train(net, torch.compile(net, backend="inductor", fullgraph=True), rank, **CONFIG)
+    aot = counters["aot_autograd"]
+    cache = (aot["autograd_cache_hit"], aot["autograd_cache_miss"], aot["autograd_cache_bypass"])
+    return {**diff(eager, compiled), "cache": cache}
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    cache_dir = str(tmp_path_factory.mktemp("inductor_cache"))
+    return {launch: run_on_ranks(_rank, cache_dir, nproc=4) for launch in ("cold", "warm")}
+
+
+def test_warm_fsdp2_graph_comes_from_the_aot_cache(results):
+    for rank in range(4):
+        cold, warm = results["cold"][rank]["cache"], results["warm"][rank]["cache"]
+        assert cold[0] == 0 and cold[1] >= 1 and cold[2] == 0, (rank, cold)
+        assert warm[0] >= 1 and warm[1] == 0 and warm[2] == 0, (rank, warm)
+
+
+@pytest.mark.parametrize("launch", ["cold", "warm"])
+def test_fsdp2_from_the_cache_matches_eager(results, launch):
+    for rank, d in enumerate(results[launch]):
+        where = f"rank {rank}, {launch}: {d}"
+        assert d["grad_kinds_match"] and all(kind == "DTensor" for kind, _ in d["grad_kinds"]), where
+        assert d["loss"] <= TOL and d["grads"] <= TOL and d["params"] <= TOL, where
