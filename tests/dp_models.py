@@ -1,6 +1,6 @@
 """Models, data and a training step shared by the data_parallel tests and benchmark.
 
-Three small models of the kinds issue 10 names (an MLP, a transformer, a conv
+Three small models of the kinds data-parallel users train (an MLP, a transformer, a conv
 net), each with a loss that is a mean over the batch, and per-rank batches cut
 from one global batch so every rank's part is known.
 """

@@ -1,4 +1,4 @@
-"""Faults on real gloo ranks (issue 9, item 4): a rank killed, or hung, inside a compiled step.
+"""Faults on real gloo ranks: a rank killed, or hung, inside a compiled step.
 
 The surviving rank must end with an error of its own, within the collective
 timeout (a small one here), and the test itself must not hang.  Each scenario

@@ -1,4 +1,4 @@
-"""Fusion 2 on the fake process group: which all-reduces share a bucket, and the generated code.
+"""Collective bucketing on the fake process group: which all-reduces share a bucket, and the generated code.
 
 The fake group's all-reduce returns its input, so compiled and eager results are
 compared exactly.  The gloo test (several real ranks) is in test_lowering_gloo.py.

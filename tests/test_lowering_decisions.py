@@ -1,4 +1,4 @@
-"""Fusion 1's decisions: on by default where it applies, logged per candidate, recorded, agreed by every rank.
+"""The residual RMSNorm fusion's decisions: on by default where it applies, logged per candidate, recorded, agreed by every rank.
 
 - Tier 1 (fake process group): the log line for each candidate (applied fusion or the
   first failed condition), the ``dynamo_ext_fusion`` structured artifact and the

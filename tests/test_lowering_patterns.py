@@ -1,4 +1,4 @@
-"""Fusion 1 on the fake process group: what the pass matches and what Inductor then generates.
+"""The residual RMSNorm fusion on the fake process group: what the pass matches and what Inductor then generates.
 
 FileCheck runs on ``run_and_get_code`` output.  Each structural check is also
 run against stock Inductor and must fail there, so none of them passes by

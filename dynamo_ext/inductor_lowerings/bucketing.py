@@ -1,4 +1,4 @@
-"""Fusion 2: merge independent small collectives (all-reduce, all-gather, reduce-scatter) into one per bucket.
+"""Collective bucketing: merge independent small collectives (all-reduce, all-gather, reduce-scatter) into one per bucket.
 
 NOTE [all-reduce bucketing order]
 Candidates are visited in graph order; a candidate joins the open bucket of its

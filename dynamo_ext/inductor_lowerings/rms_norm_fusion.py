@@ -1,4 +1,4 @@
-"""Fusion 1: all-reduce + residual add + RMSNorm.
+"""The residual RMSNorm fusion: all-reduce + residual add + RMSNorm.
 
 NOTE [residual rms norm chain]
 After AOTAutograd and Inductor's decompositions, ``h = all_reduce(x); r = h + residual;
