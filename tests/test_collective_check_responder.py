@@ -97,3 +97,11 @@ def test_the_responder_answers_from_history_and_waits_for_positions_not_reached(
         alive[0] = False
         responder.thread.join(timeout=5)
     assert not responder.thread.is_alive()
+
+
+def test_an_idle_responder_polls_less_often_in_large_worlds():
+    from dynamo_ext.collective_check.responder import idle_poll_s
+
+    assert idle_poll_s(4) == 0.05  # small worlds: a waiting check hears back within 50 ms
+    assert idle_poll_s(1000) == 1.0  # about 1,000 polls per second reach the store from the whole world
+    assert idle_poll_s(100_000) == 2.0

@@ -22,8 +22,12 @@ its own check, if its context is new there too).  An answer says whether the
 run's buckets ran merged, so the asking rank can follow, or raise where it
 cannot (NOTE [buckets only where ranks agree]).
 
-The thread reads the store only (one ``check`` per poll, every
-``_POLL_S``), never a collective, and never holds the GIL while it waits.
+The thread reads the store only (one ``check`` per poll), never a
+collective, and never holds the GIL while it waits.  It polls every 50 ms
+after a request; while none comes, the interval doubles up to
+:func:`idle_poll_s` (50 ms for small worlds, up to 2 s at 4,000 ranks), so the
+store serves about 1,000 polls per second from the whole world at most and a
+waiting check hears back within that interval.
 A rank blocked inside a collective (waiting for the asking rank) still
 answers: the process group releases the GIL while it waits.
 """
@@ -44,6 +48,11 @@ log = logging.getLogger(__name__)
 HISTORY = 16
 """Runs remembered per group; more than enough (see the NOTE)."""
 _POLL_S = 0.05
+
+
+def idle_poll_s(world_size: int) -> float:
+    """Longest interval between two polls of an idle responder, in seconds, for a world of ``world_size`` ranks."""
+    return min(2.0, max(_POLL_S, world_size / 1000))
 
 
 class History:
@@ -86,6 +95,7 @@ class Responder:
         issued: per group, the next stream position this rank will take (read only).
         write: ``write(gkey, start, plan, merged, first)`` writes the entries of a run from position ``first``.
         alive: whether this responder's world and epoch are still the current ones.
+        world_size: the world's size (sets :func:`idle_poll_s`).
     """
 
     def __init__(
@@ -96,8 +106,10 @@ class Responder:
         issued: dict[str, int],
         write: Callable[[str, int, Any, bool, int], None],
         alive: Callable[[], bool],
+        world_size: int = 1,
     ) -> None:
         self.store, self.rank, self.history, self.issued = store, rank, history, issued
+        self.idle_poll_s = idle_poll_s(world_size)
         self.write, self.alive = write, alive
         self.handled = 0
         self.pending: list[tuple[str, str, int]] = []
@@ -106,20 +118,25 @@ class Responder:
 
     def _loop(self) -> None:
         stop = threading.Event()
+        interval = _POLL_S
         while self.alive() and _compat.distributed_initialized():
             try:
-                self._poll()
+                busy = self._poll()
             except Exception as e:  # noqa: BLE001  (the store went away with its world: nothing left to answer)
                 log.debug("collective check responder on rank %d stops: %s", self.rank, e)
                 return
-            stop.wait(_POLL_S)
+            interval = _POLL_S if busy else min(2 * interval, self.idle_poll_s)
+            stop.wait(interval)
 
-    def _poll(self) -> None:
+    def _poll(self) -> bool:
+        """Take new requests and answer what can be answered; True while there are requests."""
         while self.store.check([request_key(self.rank, self.handled + 1)]):
             self.handled += 1
             gkey, group, position = json.loads(self.store.get(request_key(self.rank, self.handled)))
             self.pending.append((gkey, group, position))
+        busy = bool(self.pending)
         self.pending = [req for req in self.pending if not self._answer(*req)]
+        return busy
 
     def _answer(self, gkey: str, group: str, position: int) -> bool:
         """Write the entries for ``position``; False while this rank has not reached it."""

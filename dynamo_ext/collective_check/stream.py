@@ -53,6 +53,8 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import torch.distributed
+
 from .. import _compat, config
 from .exchange import GroupRun, agree, exchange_store, write_entries
 from .fingerprint import CollectiveSignature
@@ -201,7 +203,8 @@ def _start_responder(state: _State, store: Any, rank: int) -> None:
         run = GroupRun(plan.group, plan.ranks, plan.records, plan.digest, start)
         write_entries(prefixed, gkey, run, rank, first=first, merged=merged)
 
-    state.responder = Responder(prefixed, rank, state.history, state.issued, write, lambda: _state is state)
+    world_size = torch.distributed.get_world_size()
+    state.responder = Responder(prefixed, rank, state.history, state.issued, write, lambda: _state is state, world_size)
 
 
 def checked(compiled: Callable[..., Any], plans: Sequence[GroupPlan]) -> Callable[..., Any]:
