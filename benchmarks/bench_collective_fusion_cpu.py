@@ -13,7 +13,7 @@ version (one code object each), so the timed rounds alternate between them to ca
 drift; a step's time is the slowest rank's, the figure is the median over rounds.
 
 Before that, in this process on the fake process group (whose all-reduce does nothing),
-the same epilogue is timed alone: the compute fusion 1 changes on the CPU, without
+the same epilogue is timed alone: the compute the residual RMSNorm fusion changes on the CPU, without
 gloo's share of the step.
 
 Workloads:

@@ -18,7 +18,7 @@ pytestmark = [pytest.mark.gloo, pytest.mark.slow]  # one 4-process launch each, 
 HIDDEN, FFN, TOKENS = 64, 128, 24
 
 
-# ---- fusion 1: a tensor-parallel MLP block --------------------------------------------------
+# ---- residual RMSNorm fusion: a tensor-parallel MLP block -----------------------------------
 def _tp_weights(rank: int, world_size: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(1234)
     full = {
@@ -94,7 +94,7 @@ def test_tp_block_matches_eager_and_fuses_the_epilogue_on_4_ranks():
             assert not r["stored_sum_reread"], f"rank {rank} {name}: the epilogue re-reads a stored sum"
 
 
-# ---- fusion 2: 32 gradient all-reduces --------------------------------------------------------
+# ---- bucketing: 32 gradient all-reduces --------------------------------------------------------
 def _grads(rank: int, n: int = 32, *, exact: bool) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(rank)
     out = []
@@ -138,7 +138,7 @@ def test_32_gradient_all_reduces_bucket_into_one_on_4_ranks():
         assert res["random"]["max_err"] <= 1e-6, f"rank {rank}: {res['random']}"
 
 
-# ---- fusion 2: FSDP-style all-gathers and reduce-scatters ------------------------------------
+# ---- bucketing: FSDP-style all-gathers and reduce-scatters ------------------------------------
 def _fsdp_tensors(rank: int, world_size: int, n: int = 16) -> list[torch.Tensor]:
     """``n`` parameter shards (256 B .. 16 KiB) then ``n`` unsharded gradients (dim 0 a multiple of the world size)."""
     g = torch.Generator().manual_seed(rank)

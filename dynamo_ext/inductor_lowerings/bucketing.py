@@ -376,7 +376,10 @@ def bucket_collectives(graph: torch.fx.Graph, *, switchable: bool = False) -> in
 
 
 class AllReduceBucketingPass(_compat.custom_graph_pass_base()):  # type: ignore[misc]
-    """Post-grad pass for fusion 2 (NOTE [all-reduce bucketing order], NOTE [all-gather / reduce-scatter buckets])."""
+    """Post-grad pass that buckets small collectives of one group.
+
+    NOTE [all-reduce bucketing order], NOTE [all-gather / reduce-scatter buckets].
+    """
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         bucket_collectives(graph, switchable=True)  # NOTE [buckets only where ranks agree]

@@ -15,14 +15,14 @@ import sys
 from .. import _compat
 
 residual_rms_norm: bool = True
-"""Fuse ``all_reduce -> wait -> add residual -> RMSNorm`` (fusion 1)."""
+"""Fuse ``all_reduce -> wait -> add residual -> RMSNorm`` into one op (the residual RMSNorm fusion)."""
 
 bucket_all_reduces: bool = True
-"""Merge independent small all-reduces of one group, dtype and reduce op (fusion 2)."""
+"""Merge independent small all-reduces of one group, dtype and reduce op into one bucket."""
 
 bucket_all_gathers_reduce_scatters: bool = True
 """Merge independent small (FSDP-style, dim-0) all-gathers of one group and dtype, and
-reduce-scatters of one group, dtype and reduce op (fusion 2)."""
+reduce-scatters of one group, dtype and reduce op."""
 
 bucket_small_bytes: int = 1 << 20
 """Only collectives of at most this many bytes join a bucket (all-gather, reduce-scatter:

@@ -415,7 +415,7 @@ def fuse_residual_rms_norm(graph: torch.fx.Graph) -> int:
 
 
 class ResidualRMSNormPass(_compat.custom_graph_pass_base()):  # type: ignore[misc]
-    """Post-grad pass for fusion 1 (see NOTE [residual rms norm chain])."""
+    """Post-grad pass fusing all-reduce, residual add and RMSNorm (see NOTE [residual rms norm chain])."""
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         fuse_residual_rms_norm(graph)

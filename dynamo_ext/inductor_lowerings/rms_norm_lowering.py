@@ -1,4 +1,4 @@
-"""Lowerings for fusion 1's ops (NOTE [residual rms norm chain] in rms_norm_fusion.py).
+"""Lowerings for the residual RMSNorm fusion's ops (NOTE [residual rms norm chain] in rms_norm_fusion.py).
 
 - ``dynamo_ext::residual_rms_norm``: fast path recomputes the residual sum inside the
   reduction and inside the normalization (one loop nest per row); the fallback is the
@@ -213,7 +213,7 @@ def lower_one_shot_as_all_reduce(
 
 
 def rules() -> list[LoweringRule]:
-    """The lowering rules of fusion 1 (call after :func:`ops.define_ops`)."""
+    """The lowering rules of the residual RMSNorm fusion's ops (call after :func:`ops.define_ops`)."""
     return [
         dataclasses.replace(RESIDUAL_RMS_NORM_RULE, op=ops.residual_rms_norm_op()),
         LoweringRule(
