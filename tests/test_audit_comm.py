@@ -34,7 +34,7 @@ def test_user_frame_skips_torch_and_plugin_frames():
 
     import dynamo_ext
 
-    plugin = os.path.join(os.path.dirname(dynamo_ext.__file__), "variables", "fsdp.py")
+    plugin = os.path.join(os.path.dirname(dynamo_ext.__file__), "variables", "fsdp", "hooks.py")
     tp = os.path.join(os.path.dirname(torch.__file__), "distributed", "tensor", "parallel", "style.py")
     st = (
         f'  File "/home/u/train.py", line 7, in forward\n    y = self.wo(x)\n'
