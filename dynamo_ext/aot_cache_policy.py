@@ -5,7 +5,7 @@ AOTAutograd's cache (``AOTAutogradCache``) bypasses every graph that calls a
 custom ``autograd.Function`` (Dynamo's ``autograd_function_apply``
 higher-order op) unless ``torch._functorch.config.autograd_cache_allow_custom_autograd_functions``
 is on: a user's Function may hide state the cache key does not see.  The
-plugin traces FSDP2's parameter all-gather (``variables/fsdp_reduce.py``,
+plugin traces FSDP2's parameter all-gather (``variables/fsdp/reduce.py``,
 ``FSDPAllGather``) and ``torch.distributed.nn.functional`` as Functions of its
 own, so every FSDP2 graph would be compiled anew on each restart.
 

@@ -1,6 +1,6 @@
 """A DTensor leaf's first ``.grad`` under compiled autograd has eager's placements and local values.
 
-NOTE [compiled autograd: DTensor .grad of an uneven shard] (``dynamo_ext/variables/accumulate_grad.py``):
+NOTE [compiled autograd: DTensor .grad of an uneven shard] (``dynamo_ext/variables/autograd/accumulate_grad.py``):
 torch 2.11 makes an uneven shard's gradient Replicate, 2.11/2.12 fail with PendingUnbackedSymbolNotFound on a
 ``_StridedShard`` one.  Tier 1: rank 0 of a fake 4-rank world; the gradient never needs a collective.
 """

@@ -15,7 +15,7 @@ import torch
 from helpers import fake_world
 
 from dynamo_ext.audit import audit, gate, report_from_json
-from dynamo_ext.audit.rank.comm import _common_path, traffic_bytes
+from dynamo_ext.audit.rank.comm import _common_path, origin, traffic_bytes
 from dynamo_ext.audit.rank.eager_comm import eager_kind
 from dynamo_ext.audit.render.comm import human_bytes
 from dynamo_ext.node_origin import user_frame
@@ -34,7 +34,7 @@ def test_user_frame_skips_torch_and_plugin_frames():
 
     import dynamo_ext
 
-    plugin = os.path.join(os.path.dirname(dynamo_ext.__file__), "variables", "fsdp.py")
+    plugin = os.path.join(os.path.dirname(dynamo_ext.__file__), "variables", "fsdp", "hooks.py")
     tp = os.path.join(os.path.dirname(torch.__file__), "distributed", "tensor", "parallel", "style.py")
     st = (
         f'  File "/home/u/train.py", line 7, in forward\n    y = self.wo(x)\n'
@@ -44,6 +44,26 @@ def test_user_frame_skips_torch_and_plugin_frames():
     only_plugin = f'  File "{plugin}", line 147, in pre_forward\n    x = 1\n'
     assert user_frame(only_plugin)[:2] == (plugin, 147)
     assert user_frame("") is None
+
+
+def test_origin_names_the_plugins_fsdp_modules_and_torchs_fsdp_and_dtensor():
+    """A collective is ``fsdp`` when a frame of its stack is in FSDP2 or in the plugin's ``variables/fsdp/``."""
+    import os
+
+    import dynamo_ext
+
+    pkg = os.path.dirname(dynamo_ext.__file__)
+    torch_dir = os.path.dirname(torch.__file__)
+
+    def stack(*files):
+        return "".join(f'  File "{f}", line 3, in f\n    x = 1\n' for f in ("/home/u/train.py", *files))
+
+    for plugin in ("hooks.py", "groups.py", "reduce.py"):
+        assert origin(stack(os.path.join(pkg, "variables", "fsdp", plugin))) == "fsdp", plugin
+    assert origin(stack(os.path.join(torch_dir, "distributed", "fsdp", "_fully_shard", "_fsdp_param.py"))) == "fsdp"
+    assert origin(stack(os.path.join(torch_dir, "distributed", "tensor", "_api.py"))) == "dtensor"
+    assert origin(stack(os.path.join(pkg, "variables", "c10d", "collectives.py"))) == "explicit"
+    assert origin(stack()) == "explicit"
 
 
 def test_common_module_path_and_eager_kinds():

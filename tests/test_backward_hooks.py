@@ -1,7 +1,7 @@
 """Module backward hooks under torch.compile without compiled autograd (tier 1, one process).
 
 Every check compares with eager: the gradients, and what each hook saw, in
-which order.  See dynamo_ext/variables/backward_hooks.py.
+which order.  See dynamo_ext/variables/autograd/backward_hooks.py.
 """
 
 from __future__ import annotations

@@ -313,7 +313,7 @@ def training_graphs(fn, x):
     """Forward and backward graphs of ``fn`` as the ``aot_eager`` backend partitions them, with Inductor's decompositions.
 
     The default partitioner rebuilds each graph from its outputs (NOTE [keep-alive] in
-    dynamo_ext/variables/c10d_work.py); the decompositions turn ``new_zeros(t)`` into ``full``.
+    dynamo_ext/variables/c10d/work.py); the decompositions turn ``new_zeros(t)`` into ``full``.
     """
     from functorch.compile import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd
@@ -367,9 +367,9 @@ def test_collective_unused_on_this_rank_survives_partitioning(world, name):
 
 
 def test_polyfills_take_the_arguments_of_the_calls_they_replace():
-    from dynamo_ext.variables import collectives, nn_functional, p2p
+    from dynamo_ext.variables.c10d import handlers, nn_functional, p2p
 
-    tables = [("torch.distributed", collectives.POLYFILLS), ("torch.distributed", p2p.POLYFILLS)]
+    tables = [("torch.distributed", handlers.POLYFILLS), ("torch.distributed", p2p.POLYFILLS)]
     tables.append(("torch.distributed.nn.functional", nn_functional.POLYFILLS))
     for module, table in tables:
         for name, impl, _ in table:

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dynamo_ext.variables import fsdp_reduce
+from dynamo_ext.variables.fsdp import reduce as fsdp_reduce
 
 
 def _param(param_dtype=None, reduce_dtype=None, orig=torch.float32):

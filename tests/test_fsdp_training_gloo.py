@@ -126,7 +126,7 @@ def _compare(rank: int, world: int, configs: dict[str, dict[str, Any]], compiled
 @pytest.mark.parametrize("compiled_autograd", [False, True], ids=["eager_backward", "compiled_autograd"])
 def test_fsdp2_training_matches_eager(compiled_autograd):
     # Every shard here is uneven (10 and 6 rows over 4 ranks): on torch 2.11 this checks the sharded
-    # .grad of NOTE [compiled autograd: DTensor .grad of an uneven shard] (variables/accumulate_grad.py).
+    # .grad of NOTE [compiled autograd: DTensor .grad of an uneven shard] (variables/autograd/accumulate_grad.py).
     configs = {k: v for k, v in TRACED.items() if not compiled_autograd or k in UNDER_COMPILED_AUTOGRAD}
     results = run_on_ranks(_compare, configs, compiled_autograd, nproc=4)
 
@@ -135,7 +135,7 @@ def test_fsdp2_training_matches_eager(compiled_autograd):
             tol = BF16_TOL if "mp" in TRACED[name] else FP32_TOL
             if _release_breaks(name):
                 # a graph break and FSDP2's eager hooks: eager's numbers, or under compiled autograd the
-                # refusal of fsdp_eager.py
+                # refusal of fsdp/eager.py
                 if compiled_autograd:
                     assert "ran under compiled autograd" in (r["refused"] or ""), (rank, r)
                     continue

@@ -508,7 +508,7 @@ def test_mesh_made_while_tracing_is_not_reused_in_a_recreated_world(plugin):
 
 
 def test_backward_hook_sites_of_freed_modules_are_dropped():
-    from dynamo_ext.variables import backward_hook_ops
+    from dynamo_ext.variables.autograd import backward_hook_ops
 
     modules = [torch.nn.Linear(1, 1) for _ in range(5)]
     sites = [backward_hook_ops.new_site(m) for m in modules]

@@ -1,10 +1,13 @@
-"""Arrows point one way: no cycle among the imports of ``dynamo_ext``'s modules.
+"""Arrows point one way: no cycle among the imports of ``dynamo_ext``'s modules; and no folder or module grows too big.
 
 Every import counts, at module level or inside a function (a lazy import is still an arrow: a model that imports
 its renderer inside ``__str__`` and the renderer that imports the model depend on each other); only
 ``if TYPE_CHECKING:`` blocks are left out.  An import of ``a.b.c`` is an arrow to ``a.b.c`` alone: Python loads the
 parent packages first, but an arrow to a package's ``__init__`` from inside that package is not a cycle between
 modules.
+
+Sizes: a package folder holds at most :data:`MAX_MODULES` modules (``__init__.py`` counted) and a module has at most
+:data:`MAX_LINES` lines; past that, cut the folder into subpackages by role, or the module by concern.
 """
 
 from __future__ import annotations
@@ -13,6 +16,8 @@ import ast
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "dynamo_ext"
+MAX_MODULES = 15
+MAX_LINES = 450
 
 
 def _module_name(path: Path, package: Path) -> str:
@@ -121,3 +126,39 @@ def test_audit_model_never_imports_renderers_or_what_uses_it():
     for m in model:
         bad = {t for t in graph[m] if t.startswith("dynamo_ext.audit.") and not t.startswith("dynamo_ext.audit.model")}
         assert not bad, f"{m} imports {sorted(bad)}"
+
+
+def oversized(package: Path = PACKAGE) -> list[str]:
+    """Folders under ``package`` with more than :data:`MAX_MODULES` modules, and modules over :data:`MAX_LINES` lines."""
+    out: list[str] = []
+    for folder in sorted({p.parent for p in package.rglob("*.py")}):
+        modules = sorted(p.name for p in folder.glob("*.py"))
+        if len(modules) > MAX_MODULES:
+            where = folder.relative_to(package.parent)
+            out.append(f"{where}/ has {len(modules)} modules (at most {MAX_MODULES}): {', '.join(modules)}")
+    for path in sorted(package.rglob("*.py")):
+        lines = len(path.read_text(encoding="utf-8").splitlines())
+        if lines > MAX_LINES:
+            out.append(f"{path.relative_to(package.parent)} has {lines} lines (at most {MAX_LINES})")
+    return out
+
+
+def test_the_size_check_names_a_crowded_folder_and_a_long_module(tmp_path):
+    pkg = tmp_path / "pkg"
+    (pkg / "sub").mkdir(parents=True)
+    for i in range(MAX_MODULES):
+        (pkg / f"m{i:02}.py").write_text("x = 1\n" * MAX_LINES)  # at the limits: not named
+    (pkg / "sub" / "__init__.py").write_text("")
+    assert oversized(pkg) == []
+    (pkg / "__init__.py").write_text("")
+    (pkg / "sub" / "long.py").write_text("x = 1\n" * (MAX_LINES + 1))
+    assert oversized(pkg) == [
+        f"pkg/ has {MAX_MODULES + 1} modules (at most {MAX_MODULES}): __init__.py, "
+        + ", ".join(f"m{i:02}.py" for i in range(MAX_MODULES)),
+        f"pkg/sub/long.py has {MAX_LINES + 1} lines (at most {MAX_LINES})",
+    ]
+
+
+def test_no_package_folder_or_module_is_too_big():
+    found = oversized()
+    assert not found, "too big (cut by role or concern):\n" + "\n".join(found)

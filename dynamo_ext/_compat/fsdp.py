@@ -100,7 +100,7 @@ def fsdp_group_hook_codes() -> tuple[Any, Any, Any] | None:
     post-hooks it wraps (``hook.__wrapped__``; ``hook.__wrapped__.__wrapped__``
     is the state's bound ``_pre_forward`` / ``_post_forward``).  Probed by
     behaviour on two bare modules: ``None`` unless the hooks behave as the
-    plugin's mirror (``variables/fsdp_groups.py``) assumes: the pre-hook runs
+    plugin's mirror (``variables/fsdp/groups.py``) assumes: the pre-hook runs
     the state's pre-forward at every module of the group, the post-hook runs
     the state's post-forward at the last module of the pass and only casts the
     output (``cast_output_dtype``) at the others.

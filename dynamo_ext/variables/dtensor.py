@@ -20,7 +20,7 @@ from typing import Any
 
 from .. import _compat
 from .._patching import Patcher
-from .c10d_breaks import unsupported
+from .c10d.breaks import unsupported
 from .functions import fold_call, register_handler, register_polyfill
 
 # NOTE [meshes made while tracing]

@@ -10,7 +10,7 @@ FSDP group; the plugin's traced FSDP2 issues one per parameter, so compiled
 FSDP collectives are counted once per (graph, module, kind) - one FSDP group,
 the module that ``fully_shard`` wrapped - and every other collective once.
 FSDP2's all-reduces are the exception: the plugin traces no HSDP (its one
-all-reduce per group; ``variables/fsdp.py`` refuses it), so a traced FSDP2
+all-reduce per group; ``variables/fsdp/hooks.py`` refuses it), so a traced FSDP2
 all-reduce is the reduction of a gradient that is ``Partial`` on another mesh
 axis (a norm weight replicated over "tp"), which eager FSDP2 also issues once
 per parameter: each counts.

@@ -32,7 +32,7 @@ differences therefore add up to the total difference, and each gets a reason:
   uses no weight) and keeps those not resharded (``reshard_after_forward=False``,
   e.g. the last module group).  One more reason gives FSDP2's totals of the
   phase and kind on both sides (see NOTE [modules reached through an FSDP2
-  state] in :mod:`dynamo_ext.variables.fsdp_sources` for how the compiled
+  state] in :mod:`dynamo_ext.variables.fsdp.sources` for how the compiled
   graphs name a module group's modules);
 - a unit with compiled collectives whose eager count has more: when its
   DTensor (functional) collectives agree and no compiled graph has an FSDP2 or

@@ -56,12 +56,14 @@ from ...fx import collectives as fx_collectives
 from ...fx.collectives import TRAFFIC, FxCollective, tensor_dtype, tensor_shape
 from ...fx.nodes import example_value, tensor_bytes
 from ...node_origin import stack_frames, user_frame
-from ...variables import fsdp_sources
+from ...variables.fsdp import sources as fsdp_sources
 from .identity import normalize_path
 
 log = logging.getLogger(__name__)
 
 _PKG_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) + os.sep
+# The plugin's traced FSDP2 hooks (``variables/fsdp/``) issue FSDP2's collectives in a compiled graph.
+_PLUGIN_FSDP_DIR = os.path.join(_PKG_DIR, "variables", "fsdp") + os.sep
 _INLINED = re.compile(r"^aot(\d+)_")
 _ROOT_KEY = re.compile(r"^L\['[^']*'\]\.?")
 # Dynamo spells a submodule it reached through ``__getattr__``'s dict lookup as ``.__dict__['_modules']['name']``.
@@ -109,7 +111,7 @@ def origin(stack_trace: str | None) -> str:
     """
     files = [f for f, *_ in stack_frames(stack_trace)]
     if any(os.sep + os.path.join("distributed", "fsdp") + os.sep in f for f in files) or any(
-        f.startswith(_PKG_DIR) and f.endswith("fsdp.py") for f in files
+        f.startswith(_PLUGIN_FSDP_DIR) or (f.startswith(_PKG_DIR) and f.endswith("fsdp.py")) for f in files
     ):
         return "fsdp"
     if any(os.sep + os.path.join("distributed", "tensor") + os.sep in f for f in files):

@@ -4,15 +4,15 @@
 of each ``torch.distributed`` collective, a polyfill with the same signature
 written with ``torch.ops._c10d_functional`` ops:
 
-- ``c10d_collectives``: all_reduce, all_gather_into_tensor, reduce_scatter_tensor,
+- ``collectives``: all_reduce, all_gather_into_tensor, reduce_scatter_tensor,
   all_to_all_single, all_gather, reduce_scatter, all_to_all (and their aliases);
-- ``c10d_rooted``: broadcast, reduce, scatter, gather, barrier;
+- ``rooted``: broadcast, reduce, scatter, gather, barrier;
 - ``p2p``: isend, irecv, send, recv, batch_isend_irecv;
 - ``nn_functional``: ``torch.distributed.nn.functional`` with eager's autograd;
-- ``c10d_breaks``: a named graph break for every call that cannot be traced;
-- ``c10d_reduce_op``: ``ReduceOp`` members as constants.
+- ``breaks``: a named graph break for every call that cannot be traced;
+- ``reduce_op``: ``ReduceOp`` members as constants.
 
-``async_op=True`` returns a :class:`~.c10d_work.FunctionalWork` (NOTE [async
+``async_op=True`` returns a :class:`~.work.FunctionalWork` (NOTE [async
 collectives in graphs]).  Before inlining a polyfill, a check on the call's
 trackers turns what no functional op can express into a graph break that
 names the call: a reduce op without a functional name (``PREMUL_SUM``), or a
@@ -26,11 +26,12 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
-from .. import _compat, graph_breaks
-from . import c10d_args, c10d_breaks, c10d_collectives, c10d_reduce_op, c10d_rooted, nn_functional, p2p
-from .base import const_args
-from .c10d_args import REDUCE_OPS, reduce_op_name
-from .functions import register_graph_break, register_polyfill
+from ... import _compat, graph_breaks
+from ..base import const_args
+from ..functions import register_graph_break, register_polyfill
+from . import args as c10d_args
+from . import breaks, collectives, nn_functional, p2p, reduce_op, rooted
+from .args import REDUCE_OPS, reduce_op_name
 
 # Arguments a trace must know as constants (they choose ops, ranks and groups).
 CONSTANT_ARGS = frozenset(
@@ -42,23 +43,23 @@ _VALID_OPS = ", ".join(f"ReduceOp.{op.name}" for op in REDUCE_OPS)
 
 # (torch.distributed name, polyfill, functional ops it needs)
 POLYFILLS: tuple[tuple[str, Callable[..., Any], tuple[str, ...]], ...] = (
-    ("all_reduce", c10d_collectives.all_reduce, ("all_reduce",)),
-    ("all_gather_into_tensor", c10d_collectives.all_gather_into_tensor, ("all_gather_into_tensor",)),
-    ("all_gather_single", c10d_collectives.all_gather_into_tensor, ("all_gather_into_tensor",)),
-    ("_all_gather_base", c10d_collectives.all_gather_into_tensor, ("all_gather_into_tensor",)),
-    ("reduce_scatter_tensor", c10d_collectives.reduce_scatter_tensor, ("reduce_scatter_tensor",)),
-    ("reduce_scatter_single", c10d_collectives.reduce_scatter_tensor, ("reduce_scatter_tensor",)),
-    ("_reduce_scatter_base", c10d_collectives.reduce_scatter_tensor, ("reduce_scatter_tensor",)),
-    ("all_to_all_single", c10d_collectives.all_to_all_single, ("all_to_all_single",)),
-    ("all_gather", c10d_collectives.all_gather, ("all_gather_into_tensor",)),
-    ("reduce_scatter", c10d_collectives.reduce_scatter, ("reduce_scatter_tensor",)),
-    ("all_to_all", c10d_collectives.all_to_all, ("all_to_all_single",)),
-    ("all_reduce_coalesced", c10d_collectives.all_reduce_coalesced, ("all_reduce_coalesced",)),
-    ("broadcast", c10d_rooted.broadcast, ("broadcast",)),
-    ("reduce", c10d_rooted.reduce, ("all_reduce",)),
-    ("scatter", c10d_rooted.scatter, ("all_to_all_single",)),
-    ("gather", c10d_rooted.gather, ("all_to_all_single",)),
-    ("barrier", c10d_rooted.barrier, ("all_reduce",)),
+    ("all_reduce", collectives.all_reduce, ("all_reduce",)),
+    ("all_gather_into_tensor", collectives.all_gather_into_tensor, ("all_gather_into_tensor",)),
+    ("all_gather_single", collectives.all_gather_into_tensor, ("all_gather_into_tensor",)),
+    ("_all_gather_base", collectives.all_gather_into_tensor, ("all_gather_into_tensor",)),
+    ("reduce_scatter_tensor", collectives.reduce_scatter_tensor, ("reduce_scatter_tensor",)),
+    ("reduce_scatter_single", collectives.reduce_scatter_tensor, ("reduce_scatter_tensor",)),
+    ("_reduce_scatter_base", collectives.reduce_scatter_tensor, ("reduce_scatter_tensor",)),
+    ("all_to_all_single", collectives.all_to_all_single, ("all_to_all_single",)),
+    ("all_gather", collectives.all_gather, ("all_gather_into_tensor",)),
+    ("reduce_scatter", collectives.reduce_scatter, ("reduce_scatter_tensor",)),
+    ("all_to_all", collectives.all_to_all, ("all_to_all_single",)),
+    ("all_reduce_coalesced", collectives.all_reduce_coalesced, ("all_reduce_coalesced",)),
+    ("broadcast", rooted.broadcast, ("broadcast",)),
+    ("reduce", rooted.reduce, ("all_reduce",)),
+    ("scatter", rooted.scatter, ("all_to_all_single",)),
+    ("gather", rooted.gather, ("all_to_all_single",)),
+    ("barrier", rooted.barrier, ("all_reduce",)),
 )
 
 
@@ -102,7 +103,7 @@ def register_c10d(
     ops: tuple[str, ...],
     seen: set[int],
     *,
-    unavailable: graph_breaks.GraphBreakType = c10d_breaks.UNTRACEABLE_COLLECTIVE,
+    unavailable: graph_breaks.GraphBreakType = breaks.UNTRACEABLE_COLLECTIVE,
 ) -> None:
     """Polyfill ``fn`` (``label`` names it) with ``impl`` when the build has the functional ``ops``.
 
@@ -122,8 +123,8 @@ def register_c10d(
 def register() -> None:
     """Register every c10d polyfill, graph break and trace-time helper."""
     c10d_args.register()
-    c10d_breaks.register()
-    c10d_reduce_op.register()
+    breaks.register()
+    reduce_op.register()
     seen: set[int] = set()
     for name, impl, ops in POLYFILLS:
         fn = _compat.optional_attr("torch.distributed", name)

@@ -15,9 +15,9 @@ from typing import Any
 
 import torch.distributed as dist
 
-from .. import guards
-from . import registry
-from .base import DistributedObjectVariable
+from ... import guards
+from .. import registry
+from ..base import DistributedObjectVariable
 
 RedOpType = type(dist.ReduceOp.SUM)
 

@@ -31,8 +31,8 @@ from typing import Any
 
 import torch
 
-from .. import _compat, graph_breaks
-from .._patching import Patcher
+from ... import _compat, graph_breaks
+from ..._patching import Patcher
 from . import backward_hook_ops as ops
 
 log = logging.getLogger(__name__)
@@ -154,7 +154,7 @@ def _create(orig: Any) -> Any:
 
 def register(patches: Patcher) -> None:
     """Trace module backward hooks without compiled autograd; guard the empty backward hook dicts."""
-    from ..guards.hook_dicts import install as install_hook_dict_guards
+    from ...guards.hook_dicts import install as install_hook_dict_guards
 
     install_hook_dict_guards(patches)
     cls = _compat.backward_hook_variable_class()

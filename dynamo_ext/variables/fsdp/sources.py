@@ -8,7 +8,7 @@ module group that the hooks reach before the model calls it (``output`` of
 ``fully_shard([norm, output])``: its parameter is gathered at ``norm``) is
 named ``L['model'].norm._forward_hooks[...].__self__._fsdp_param_groups[0]
 .fsdp_params[1]._module_info.module``.  Each FSDP2 state a trace checks
-(:func:`.fsdp.check_state`) is remembered by its source name, so such a name
+(:func:`.hooks.check_state`) is remembered by its source name, so such a name
 resolves to the module's path from the root (FSDP2's own parameter FQN);
 the audit's communication report attributes collectives by that path.
 """
@@ -19,7 +19,7 @@ import re
 import weakref
 from typing import Any
 
-from .. import _compat
+from ... import _compat
 
 # Dynamo's nn_module_stack spells ``._modules['0']`` as ``.0`` (torch/_dynamo/variables/nn_module.py): so do the keys.
 _REDUNDANT = re.compile(r"\._(?:modules|parameters|buffers)\[(['\"])([^'\"\]]+)\1\]")

@@ -24,7 +24,7 @@
   graph break (``collectives.UNSUPPORTED_ARGS``).
 
 Only some ranks use each of these results (the root, the leaves), so their
-works keep them alive (NOTE [keep-alive] in ``c10d_work``).
+works keep them alive (NOTE [keep-alive] in ``work``).
 
 Argument checks raise what eager raises (``ValueError`` for a missing or
 misplaced list, a root given twice or outside the group; ``RuntimeError`` for
@@ -37,9 +37,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .c10d_args import barrier_device, group_info, group_peer, not_in_group, reduce_op_name
-from .c10d_breaks import unsupported
-from .c10d_work import FunctionalWork, finish, plain
+from .args import barrier_device, group_info, group_peer, not_in_group, reduce_op_name
+from .breaks import unsupported
+from .work import FunctionalWork, finish, plain
 
 ReduceOp = dist.ReduceOp
 _C = torch.ops._c10d_functional

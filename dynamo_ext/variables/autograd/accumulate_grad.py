@@ -35,9 +35,9 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from .. import _compat
-from .base import wrap_constant
-from .functions import register_handler
+from ... import _compat
+from ..base import wrap_constant
+from ..functions import register_handler
 
 log = logging.getLogger(__name__)
 

@@ -1,8 +1,8 @@
 """Polyfills of the all-to-all-style c10d collectives, written with functional collectives.
 
 Each function here has the signature of its ``torch.distributed`` namesake and
-is traced by Dynamo in its place (see ``collectives.register``).  It issues one
-``_c10d_functional`` op, and its :class:`~.c10d_work.FunctionalWork` waits and
+is traced by Dynamo in its place (see ``handlers.register``).  It issues one
+``_c10d_functional`` op, and its :class:`~.work.FunctionalWork` waits and
 copies the result into the user's tensors, so in-place semantics are kept.
 A rank outside ``group`` returns ``None`` without communicating, as eager.
 
@@ -19,9 +19,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .c10d_args import group_info, not_in_group, reduce_op_name
-from .c10d_breaks import unsupported
-from .c10d_work import FunctionalWork, finish, plain
+from .args import group_info, not_in_group, reduce_op_name
+from .breaks import unsupported
+from .work import FunctionalWork, finish, plain
 
 ReduceOp = dist.ReduceOp
 _C = torch.ops._c10d_functional

@@ -23,8 +23,8 @@ import functools
 import logging
 from typing import Any
 
-from .. import _compat
-from .._patching import Patcher
+from ... import _compat
+from ..._patching import Patcher
 
 log = logging.getLogger(__name__)
 

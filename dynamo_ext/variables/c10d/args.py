@@ -15,8 +15,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .. import _compat
-from .functions import register_constant_fold
+from ... import _compat
+from ..functions import register_constant_fold
 
 ReduceOp = dist.ReduceOp
 

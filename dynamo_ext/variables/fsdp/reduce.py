@@ -26,7 +26,7 @@ per parameter rather than over one flat buffer per group; each element is the
 same reduction of the same values.
 
 Only configurations whose eager reduction is this sequence are traced (see
-``fsdp.untraced_reasons``); the others break the graph so FSDP2's own hooks run.
+``hooks.untraced_reasons``); the others break the graph so FSDP2's own hooks run.
 """
 
 from __future__ import annotations
@@ -37,8 +37,8 @@ from typing import Any
 
 import torch
 
-from .. import _compat
-from .c10d_work import wait_tensor
+from ... import _compat
+from ..c10d.work import wait_tensor
 
 log = logging.getLogger(__name__)
 _C = torch.ops._c10d_functional

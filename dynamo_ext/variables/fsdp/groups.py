@@ -19,7 +19,7 @@ their code (:func:`dynamo_ext._compat.fsdp_group_hook_codes`, a probe of
 their behaviour) and traces :func:`group_pre_forward` /
 :func:`group_post_forward` in their place: the same set operations on the
 real set (Dynamo replays them after the graph and guards on its contents),
-with the traced pre- and post-forward of ``fsdp.py``.  So each group
+with the traced pre- and post-forward of ``hooks.py``.  So each group
 parameter is all-gathered once per pass, at the first module called, with
 FSDP2's reduction as the gather's backward (NOTE [FSDP2 gradients in traced
 graphs]), and resharded at the last; the forward root's post-forward finishes
@@ -41,9 +41,10 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from .. import _compat, graph_breaks
-from . import fsdp, registry
-from .functions import HandledFunctionVariable, build_variable
+from ... import _compat, graph_breaks
+from .. import registry
+from ..functions import HandledFunctionVariable, build_variable
+from . import hooks
 
 log = logging.getLogger(__name__)
 
@@ -53,8 +54,8 @@ def group_pre_forward(state: Any, module: Any, args: Any, kwargs: Any) -> Any:
     to_run = state._modules_to_run_forward
     if len(to_run) == 0:
         to_run.update(state._modules)
-        return fsdp.pre_forward(state, module, args, kwargs)
-    return fsdp.cast_inputs(state, args, kwargs)
+        return hooks.pre_forward(state, module, args, kwargs)
+    return hooks.cast_inputs(state, args, kwargs)
 
 
 def group_post_forward(state: Any, module: Any, input: Any, output: Any) -> Any:
@@ -63,8 +64,8 @@ def group_post_forward(state: Any, module: Any, input: Any, output: Any) -> Any:
     if module in to_run:
         to_run.remove(module)
         if len(to_run) == 0:
-            return fsdp.post_forward(state, module, input, output)
-    return fsdp.cast_output(state, output)
+            return hooks.post_forward(state, module, input, output)
+    return hooks.cast_output(state, output)
 
 
 def _refuse_untraceable_pass(tx: Any, state_vt: Any, pre: bool) -> None:
@@ -108,7 +109,7 @@ def _build_group_hook(tx: Any, value: Any, source: Any) -> Any:
     state_vt = build_variable(tx, bound.__self__, state_source)
 
     def handler(tx: Any, args: list[Any], kwargs: dict[str, Any]) -> Any:
-        fsdp.check_state(tx, [state_vt], {})
+        hooks.check_state(tx, [state_vt], {})
         _refuse_untraceable_pass(tx, state_vt, pre=impl is group_pre_forward)
         return _compat.user_function_variable(impl).call_function(tx, [state_vt, *args], kwargs)
 

@@ -7,8 +7,8 @@ is guarded by identity, so folding them is exact.
 
 from __future__ import annotations
 
-from .. import _compat
-from .functions import register_constant_fold
+from ... import _compat
+from ..functions import register_constant_fold
 
 # (module, name): probed, so a helper missing from a release is skipped.
 QUERIES = (

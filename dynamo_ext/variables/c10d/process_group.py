@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from .. import guards
-from .base import DistributedObjectVariable
+from ... import guards
+from ..base import DistributedObjectVariable
 
 
 class ProcessGroupVariable(DistributedObjectVariable):
@@ -31,7 +31,7 @@ class WorldMetaClassVariable(DistributedObjectVariable):
 
     def var_getattr(self, tx: Any, name: str) -> Any:
         if name == "WORLD":
-            from .. import _compat
+            from ... import _compat
 
             world = self.value.WORLD
             if self.source is None:

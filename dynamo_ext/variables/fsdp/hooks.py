@@ -8,7 +8,7 @@ to the numbers of a training step:
 - pre-forward: each parameter's local shard is padded to FSDP's padded shard
   size and all-gathered over the shard mesh axis by an ``autograd.Function``
   whose backward is FSDP2's gradient reduction (NOTE [FSDP2 gradients in
-  traced graphs], ``fsdp_reduce.py``), the padding is cut off, and the
+  traced graphs], ``reduce.py``), the padding is cut off, and the
   unsharded tensor (for FSDP over TP, a DTensor on the TP mesh) is set on the
   module as the parameter, as ``FSDPParam.to_unsharded`` does; with
   ``reshard_after_forward`` the gather is recomputed in backward (NOTE [FSDP2
@@ -24,7 +24,7 @@ the scheduler and Inductor order the collectives.  Settings whose eager
 reduction differs (:func:`untraced_reasons`) break the graph so FSDP2's own
 hooks run; the settings are guarded (:data:`CONFIG_GUARD`).  Module groups
 (``fully_shard([norm, output])``, one state for several modules) reach the
-same pre- and post-forward through their own hooks (``fsdp_groups.py``).
+same pre- and post-forward through their own hooks (``groups.py``).
 """
 
 from __future__ import annotations
@@ -33,11 +33,11 @@ import dataclasses
 import logging
 from typing import Any
 
-from .. import _compat, graph_breaks
-from ..guards.spec import GuardSpec, install_spec_guard
-from . import fsdp_reduce, fsdp_sources
-from .base import wrap_constant
-from .functions import register_handler, register_polyfill
+from ... import _compat, graph_breaks
+from ...guards.spec import GuardSpec, install_spec_guard
+from ..base import wrap_constant
+from ..functions import register_handler, register_polyfill
+from . import reduce, sources
 
 log = logging.getLogger(__name__)
 # FSDP2's TrainingState.FORWARD: a state whose forward FSDP2's eager hooks are running.
@@ -47,7 +47,7 @@ _EAGER_FORWARD = _compat.fsdp_forward_training_state()
 def gather_with_fsdp_backward(param_group: Any, fsdp_param: Any, local: Any) -> Any:
     """All-gather ``local`` over ``fsdp_param``'s shard group; backward: FSDP2's reduction.
 
-    Traced by :func:`_gather_handler` (``fsdp_reduce.gather`` with the
+    Traced by :func:`_gather_handler` (``reduce.gather`` with the
     reduction planned at trace time); never called eagerly.
     """
     raise RuntimeError("gather_with_fsdp_backward is only meaningful inside a graph traced by dynamo-ext")
@@ -58,7 +58,7 @@ def _gather_handler(tx: Any, args: list[Any], kwargs: dict[str, Any]) -> Any:
     if fsdp_param is None or param_group is None:
         graph_breaks.graph_break(graph_breaks.FSDP_UNTRACED, "FSDPParam not known at trace time")
     try:
-        reduction = fsdp_reduce.plan(fsdp_param, param_group)
+        reduction = reduce.plan(fsdp_param, param_group)
     except (NotImplementedError, ValueError) as e:  # a release or reduce op we do not mirror
         graph_breaks.graph_break(graph_breaks.FSDP_UNTRACED, f"FSDP2 gradient reduction: {e}")
     log.debug("FSDP2 %s: gradient reduction %s", fsdp_param._module_info.param_name, reduction)
@@ -88,7 +88,7 @@ def _gather_impl(local: Any, padded_rows: int, *fields: Any) -> Any:
     # trace the same graph, or a pass deciding from graph positions (collective
     # bucketing) decides differently per rank and the collectives hang.
     local = F.pad(local, [0, 0] * (local.dim() - 1) + [0, padded_rows - local.size(0)])
-    return fsdp_reduce.gather(local, fsdp_reduce.GradReduction(*fields))
+    return reduce.gather(local, reduce.GradReduction(*fields))
 
 
 def _gather_recomputed(local: Any, *fields: Any) -> Any:
@@ -308,7 +308,7 @@ def check_state(tx: Any, args: list[Any], kwargs: dict[str, Any]) -> None:
             "checkpoint inside the FSDP2 module instead (around its submodules' compute)",
         )
     install_spec_guard(args[0].source, CONFIG_GUARD)
-    fsdp_sources.remember_state(args[0].source, state)  # NOTE [modules reached through an FSDP2 state]
+    sources.remember_state(args[0].source, state)  # NOTE [modules reached through an FSDP2 state]
     # One decision for the whole FSDP tree: traced hooks and eager FSDP2 hooks
     # do not mix within one backward (the eager root would not queue its callback).
     states = getattr(getattr(state, "_state_ctx", None), "all_states", None) or [state]

@@ -1,18 +1,18 @@
 """Point-to-point polyfills: ``isend``, ``irecv``, ``send``, ``recv``, ``batch_isend_irecv``.
 
 They trace to ``_c10d_functional.isend`` / ``irecv`` / ``batch_p2p_ops`` where
-this torch build has them (``collectives.register`` probes; without them each
+this torch build has them (``handlers.register`` probes; without them each
 call is a ``P2P_UNAVAILABLE`` graph break).  Stock Dynamo gates its own P2P
 remaps behind ``torch._dynamo.config.enable_p2p_compilation``; these do not
 need it.
 
-Both sides keep their results alive (NOTE [keep-alive] in ``c10d_work``):
+Both sides keep their results alive (NOTE [keep-alive] in ``work``):
 a send's result feeds nothing, and a receive the user ignores must still
 happen for the sender to finish.
 
 The functional ops take the peer as a *group* rank (stock's remap passes the
 global rank, which is wrong in a subgroup), so the peer is translated at
-trace time.  Every op returns a :class:`~.c10d_work.FunctionalWork`: waiting
+trace time.  Every op returns a :class:`~.work.FunctionalWork`: waiting
 on a receive copies the message into the user's tensor.  Graphs keep sends
 and receives in program order (the ops are side-effectful in FX); compiler
 passes that reorder collectives must keep matching pairs in the same order on
@@ -26,10 +26,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from . import c10d_args
-from .c10d_args import global_rank, group_info, group_or_default, group_peer, not_in_group
-from .c10d_breaks import untraceable
-from .c10d_work import FunctionalWork, plain
+from . import args as c10d_args
+from .args import global_rank, group_info, group_or_default, group_peer, not_in_group
+from .breaks import untraceable
+from .work import FunctionalWork, plain
 
 _C = torch.ops._c10d_functional
 

@@ -15,9 +15,9 @@ from __future__ import annotations
 
 from typing import Any, NoReturn
 
-from .. import _compat, graph_breaks
-from ..graph_breaks import GROUP_CREATION, OBJECT_COLLECTIVE, UNTRACEABLE_COLLECTIVE, GraphBreakType
-from .functions import register_graph_break, register_polyfill
+from ... import _compat, graph_breaks
+from ...graph_breaks import GROUP_CREATION, OBJECT_COLLECTIVE, UNTRACEABLE_COLLECTIVE, GraphBreakType
+from ..functions import register_graph_break, register_polyfill
 
 _CREATE_FIRST = "Create process groups once, before the compiled function, and pass them in."
 

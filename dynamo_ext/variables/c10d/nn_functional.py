@@ -33,10 +33,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .c10d_args import group_info, group_peer, reduce_op_name
-from .c10d_collectives import split_sizes
-from .c10d_rooted import scatter_splits
-from .c10d_work import wait_tensor
+from .args import group_info, group_peer, reduce_op_name
+from .collectives import split_sizes
+from .rooted import scatter_splits
+from .work import wait_tensor
 
 ReduceOp = dist.ReduceOp
 _C = torch.ops._c10d_functional
@@ -53,7 +53,7 @@ def _a2a(t, out_splits, in_splits, name):
 def _after(t, result):
     """``t``, data-dependent on ``result`` (one byte of it) so training graphs keep its collective.
 
-    NOTE [keep-alive] in ``c10d_work``: inside an ``autograd.Function`` no global
+    NOTE [keep-alive] in ``work``: inside an ``autograd.Function`` no global
     token can be written, so the value a rank returns carries the dependency
     (``& 0`` keeps it exact, whatever the byte).
     """

@@ -44,8 +44,8 @@ from typing import Any
 
 import torch
 
-from .c10d_args import KeepAliveTokens, keep_alive_token
-from .c10d_breaks import untraceable
+from .args import KeepAliveTokens, keep_alive_token
+from .breaks import untraceable
 
 
 def wait_tensor(tensor: torch.Tensor) -> torch.Tensor:
