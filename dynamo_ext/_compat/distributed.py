@@ -49,12 +49,21 @@ def _resolve_group(name: str) -> Any:
     """The live ``ProcessGroup`` named ``name`` (``distributed_c10d._resolve_process_group``), or ``None``."""
     if not name or not distributed_initialized():
         return None
-    from torch.distributed import distributed_c10d
-
     try:
-        return distributed_c10d._resolve_process_group(name)
+        return resolve_process_group(name)
     except (RuntimeError, ValueError, KeyError):
         return None
+
+
+def resolve_process_group(name: str) -> torch.distributed.ProcessGroup:
+    """The ``ProcessGroup`` registered as ``name`` (c10d's ``_resolve_process_group``).
+
+    Raises:
+        RuntimeError, ValueError or KeyError (by release): no group of that name in this process.
+    """
+    from torch._C._distributed_c10d import _resolve_process_group
+
+    return _resolve_process_group(name)  # pyright: ignore[reportArgumentType]  # GroupName: a NewType of str
 
 
 def group_ranks(name: str) -> tuple[int, ...]:
@@ -105,9 +114,7 @@ def process_group_info(group_name: str) -> tuple[int, list[int]]:
     import torch.distributed as dist
 
     try:
-        from torch.distributed.distributed_c10d import _resolve_process_group
-
-        pg = _resolve_process_group(group_name)
+        pg = resolve_process_group(group_name)
         return pg.size(), list(dist.get_process_group_ranks(pg))
     except Exception:
         return 0, []
@@ -127,9 +134,9 @@ def default_store() -> Any:
 
 def prefix_store(prefix: str, store: Any) -> Any:
     """``torch.distributed.PrefixStore(prefix, store)`` (public)."""
-    import torch.distributed as dist
+    from torch._C._distributed_c10d import PrefixStore
 
-    return dist.PrefixStore(prefix, store)
+    return PrefixStore(prefix, store)
 
 
 def object_collective_device(group: Any) -> str | None:
