@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import datetime
 import functools
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from .probes import optional_attr
+
+if TYPE_CHECKING:
+    from torch._C._distributed_c10d import Store
 
 
 @functools.cache
@@ -132,8 +136,16 @@ def default_store() -> Any:
         return None
 
 
-def prefix_store(prefix: str, store: Any) -> Any:
-    """``torch.distributed.PrefixStore(prefix, store)`` (public)."""
+def tcp_store(host: str, port: int, world_size: int, *, is_master: bool, timeout: datetime.timedelta) -> Store:
+    """``torch.distributed.TCPStore(host, port, world_size, is_master, timeout=timeout)`` (public; pyright sees the
+    class only in the C module, where torch.distributed imports it from)."""
+    from torch._C._distributed_c10d import TCPStore
+
+    return TCPStore(host, port, world_size, is_master, timeout=timeout)
+
+
+def prefix_store(prefix: str, store: Any) -> Store:
+    """``torch.distributed.PrefixStore(prefix, store)`` (public; imported from the C module, as for TCPStore)."""
     from torch._C._distributed_c10d import PrefixStore
 
     return PrefixStore(prefix, store)

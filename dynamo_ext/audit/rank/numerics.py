@@ -225,7 +225,7 @@ def _check(spec: Step, rtol: float | None, atol: float | None) -> dict[str, Any]
     with torch.no_grad():
         for p, s in zip(params, saved_params):
             p.copy_(s)
-    if spec.optimizer is not None:
+    if spec.optimizer is not None and saved_optim is not None:
         spec.optimizer.load_state_dict(copy.deepcopy(saved_optim))
     _set_rng_state(rng)
     compiled = _run(spec, compiled=True)
