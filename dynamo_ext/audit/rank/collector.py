@@ -424,7 +424,7 @@ class _Quiet(logging.Handler):
 _QUIET = _Quiet()
 
 
-def dynamo_counters() -> dict[str, Any]:
+def dynamo_counters() -> dict[str, int]:
     """The totals of ``torch._dynamo.utils.counters`` the audit cross-checks against."""
     counters = _compat.dynamo_counters()
     return {

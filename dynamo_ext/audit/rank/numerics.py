@@ -53,6 +53,10 @@ class Step:
     step: Callable[[bool], Any]
 
 
+MakeStepResult = Step | tuple[nn.Module, torch.optim.Optimizer | None, Callable[[bool], Any]]
+"""What a ``make_step()`` returns: a :class:`Step`, or its ``(model, optimizer, step)`` triple."""
+
+
 def as_step(obj: Any) -> Step:
     """A :class:`Step` from ``make_step()``'s result (a ``Step`` or a ``(model, optimizer, step)`` triple).
 

@@ -182,7 +182,7 @@ class End:
     """The rank finished: the exit status it returns and Dynamo's counters (their change during the run)."""
 
     KIND: ClassVar[EventKind] = EventKind.END
-    counters: dict[str, Any] = dataclasses.field(default_factory=dict)
+    counters: dict[str, int] = dataclasses.field(default_factory=dict)
     status: int = 0
     time: float | None = None
 
