@@ -80,11 +80,12 @@ def reorder_rng_states(fw_module: Any, bw_module: Any) -> bool:
     new_outs = _move_before_opaque(outs, _is_rng_state_output)
     placeholders = list(bw_module.graph.find_nodes(op="placeholder"))
     new_phs = _move_before_opaque(placeholders, lambda n: n.name.startswith(_RNG_PLACEHOLDER_PREFIX))
-    if new_outs is None and new_phs is None:
-        return False
-    if (new_outs is None) != (new_phs is None):
-        # Only one side matched the pattern: the graphs are not what this fix knows; leave them as they are.
-        log.warning("saved RNG states after opaque objects in only one of the forward/backward graphs; not reordered")
+    if new_outs is None or new_phs is None:
+        if new_outs is not None or new_phs is not None:
+            # Only one side matched the pattern: the graphs are not what this fix knows; leave them as they are.
+            log.warning(
+                "saved RNG states after opaque objects in only one of the forward/backward graphs; not reordered"
+            )
         return False
     output.args = (tuple(new_outs), *output.args[1:])
     first = placeholders[0]

@@ -15,8 +15,14 @@ decorator).  Environment variables give the defaults:
 
 import os
 import sys
+from typing import TYPE_CHECKING
 
 from ._compat import config_module
+
+if TYPE_CHECKING:
+    # patch(), get_hash(), load_config() ...: what install_config_module adds at run time, typed the way torch's
+    # own config modules type them (a stub-only module, never imported at run time)
+    from torch.utils._config_typing import *  # noqa: F403  # pyright: ignore[reportMissingModuleSource, reportWildcardImportFromLibrary]
 
 _install_config_module, _Config = config_module()
 

@@ -89,6 +89,8 @@ from .distributed import (
     object_collective_device,
     prefix_store,
     process_group_info,
+    resolve_process_group,
+    tcp_store,
 )
 from .dtensor import (
     dtensor_new_empty_strided_drops_uneven_shard,
@@ -321,6 +323,7 @@ __all__ = [
     "records_dir",
     "reparametrize_module",
     "reset_submod_compiler_state",
+    "resolve_process_group",
     "root_lambda_guard",
     "root_mesh",
     "saved_tensors_hooks_off_during_tracing",
@@ -334,6 +337,7 @@ __all__ = [
     "symm_mem_route",
     "symm_mem_state_key",
     "symm_mem_test_mode",
+    "tcp_store",
     "tensor_hooks",
     "to_fake",
     "torch_dispatch_mode_base",

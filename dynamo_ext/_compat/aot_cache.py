@@ -47,7 +47,7 @@ def aot_cache_class() -> Any | None:
 
 def lookup_function() -> Callable[..., Any]:
     """``AOTAutogradCache._lookup`` as a plain function (call only when :func:`aot_cache_class` is not ``None``)."""
-    return aot_cache_class()._lookup
+    return _cache_class()._lookup
 
 
 def lookup_as_attribute(fn: Callable[..., Any]) -> Any:
@@ -57,7 +57,13 @@ def lookup_as_attribute(fn: Callable[..., Any]) -> Any:
 
 def records_dir() -> str:
     """A directory beside AOTAutograd's cache (same ``TORCHINDUCTOR_CACHE_DIR``, same lifetime) for our records."""
-    return os.path.join(os.path.dirname(aot_cache_class()._get_tmp_dir()), "dynamo_ext_collectives")
+    return os.path.join(os.path.dirname(_cache_class()._get_tmp_dir()), "dynamo_ext_collectives")
+
+
+def _cache_class() -> Any:
+    cls = aot_cache_class()
+    assert cls is not None, "AOTAutogradCache is not what the collective check expects: probe aot_cache_class() first"
+    return cls
 
 
 def entry_has_backward(entry: Any) -> bool:

@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+import torch._guards
 
 
 @contextlib.contextmanager

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import datetime
 import functools
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from .probes import optional_attr
+
+if TYPE_CHECKING:
+    from torch._C._distributed_c10d import Store
 
 
 @functools.cache
@@ -49,12 +53,21 @@ def _resolve_group(name: str) -> Any:
     """The live ``ProcessGroup`` named ``name`` (``distributed_c10d._resolve_process_group``), or ``None``."""
     if not name or not distributed_initialized():
         return None
-    from torch.distributed import distributed_c10d
-
     try:
-        return distributed_c10d._resolve_process_group(name)
+        return resolve_process_group(name)
     except (RuntimeError, ValueError, KeyError):
         return None
+
+
+def resolve_process_group(name: str) -> torch.distributed.ProcessGroup:
+    """The ``ProcessGroup`` registered as ``name`` (c10d's ``_resolve_process_group``).
+
+    Raises:
+        RuntimeError, ValueError or KeyError (by release): no group of that name in this process.
+    """
+    from torch._C._distributed_c10d import _resolve_process_group
+
+    return _resolve_process_group(name)  # pyright: ignore[reportArgumentType]  # GroupName: a NewType of str
 
 
 def group_ranks(name: str) -> tuple[int, ...]:
@@ -105,9 +118,7 @@ def process_group_info(group_name: str) -> tuple[int, list[int]]:
     import torch.distributed as dist
 
     try:
-        from torch.distributed.distributed_c10d import _resolve_process_group
-
-        pg = _resolve_process_group(group_name)
+        pg = resolve_process_group(group_name)
         return pg.size(), list(dist.get_process_group_ranks(pg))
     except Exception:
         return 0, []
@@ -125,11 +136,19 @@ def default_store() -> Any:
         return None
 
 
-def prefix_store(prefix: str, store: Any) -> Any:
-    """``torch.distributed.PrefixStore(prefix, store)`` (public)."""
-    import torch.distributed as dist
+def tcp_store(host: str, port: int, world_size: int, *, is_master: bool, timeout: datetime.timedelta) -> Store:
+    """``torch.distributed.TCPStore(host, port, world_size, is_master, timeout=timeout)`` (public; pyright sees the
+    class only in the C module, where torch.distributed imports it from)."""
+    from torch._C._distributed_c10d import TCPStore
 
-    return dist.PrefixStore(prefix, store)
+    return TCPStore(host, port, world_size, is_master, timeout=timeout)
+
+
+def prefix_store(prefix: str, store: Any) -> Store:
+    """``torch.distributed.PrefixStore(prefix, store)`` (public; imported from the C module, as for TCPStore)."""
+    from torch._C._distributed_c10d import PrefixStore
+
+    return PrefixStore(prefix, store)
 
 
 def object_collective_device(group: Any) -> str | None:

@@ -80,7 +80,7 @@ def backward_hook_variable_class() -> Any:
 def source_name(source: Any) -> str:
     """A Dynamo ``Source``'s name: a property from 2.13 on, a method before."""
     name = source.name
-    return name() if callable(name) else name
+    return str(name() if callable(name) else name)
 
 
 def global_state_source() -> Any:
@@ -134,11 +134,12 @@ def guard_fail_reason_owner() -> tuple[Any, str]:
 def skip_frames_of(code: Any) -> Any:
     """Make Dynamo run frames of ``code`` without tracing them; return the undo function.
 
-    ``torch._dynamo.eval_frame.skip_code`` / ``set_code_exec_strategy`` exist on 2.11 to 2.15.
+    ``torch._dynamo.eval_frame.skip_code`` / ``set_code_exec_strategy`` exist on 2.11 to 2.15.  ``FrameAction``
+    and ``FrameExecStrategy`` come from the C module through ``torch._dynamo.types`` (that stub lacks them).
     """
     from torch._C._dynamo.eval_frame import set_code_exec_strategy
     from torch._dynamo.eval_frame import skip_code
-    from torch._dynamo.types import FrameAction, FrameExecStrategy
+    from torch._dynamo.types import FrameAction, FrameExecStrategy  # pyright: ignore[reportPrivateImportUsage]
 
     skip_code(code)
     return lambda: set_code_exec_strategy(code, FrameExecStrategy(FrameAction.DEFAULT, FrameAction.DEFAULT))

@@ -91,6 +91,16 @@ def fsdp_param_module_fqn(fsdp_param: Any) -> str | None:
     return fqn[: -len(name)].rstrip(".")
 
 
+class _Named(torch.nn.Module):
+    """A module with a name, for the hook probe below."""
+
+    name: str
+
+    def __init__(self, name: str) -> None:
+        super().__init__()
+        self.name = name
+
+
 @functools.cache
 def fsdp_group_hook_codes() -> tuple[Any, Any, Any] | None:
     """Code objects of the forward hooks ``fully_shard([a, b, ...])`` registers, or ``None``.
@@ -122,8 +132,7 @@ def fsdp_group_hook_codes() -> tuple[Any, Any, Any] | None:
         calls.append("cast")
         return output
 
-    a, b = torch.nn.Module(), torch.nn.Module()
-    a.name, b.name = "a", "b"
+    a, b = _Named("a"), _Named("b")
     handle = register((a, b), pre, post, set(), cast)
     try:
         pre_hooks = [next(iter(m._forward_pre_hooks.values())) for m in (a, b)]
@@ -131,10 +140,16 @@ def fsdp_group_hook_codes() -> tuple[Any, Any, Any] | None:
         for m, pre_hook, post_hook in zip((a, b), pre_hooks, post_hooks):
             pre_hook(m, (), {})
             post_hook(m, (), None)
-        inner = [getattr(h, "__wrapped__", None) for h in (pre_hooks[0], post_hooks[0])]
-        if calls != ["pre a", "cast", "pre b", "post b"] or any(getattr(i, "__wrapped__", None) is None for i in inner):
+        pre_inner, post_inner = (getattr(h, "__wrapped__", None) for h in (pre_hooks[0], post_hooks[0]))
+        wrapped_twice = all(getattr(i, "__wrapped__", None) is not None for i in (pre_inner, post_inner))
+        if (
+            calls != ["pre a", "cast", "pre b", "post b"]
+            or pre_inner is None
+            or post_inner is None
+            or not wrapped_twice
+        ):
             return None
-        return pre_hooks[0].__code__, inner[0].__code__, inner[1].__code__
+        return pre_hooks[0].__code__, pre_inner.__code__, post_inner.__code__
     except Exception:  # a release whose group hooks look otherwise: not traced
         return None
     finally:

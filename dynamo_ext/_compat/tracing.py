@@ -6,6 +6,7 @@ import importlib
 from typing import Any
 
 import torch
+import torch._guards
 
 from .probes import optional_attr
 
@@ -45,7 +46,7 @@ def no_duck_shapes() -> Any:
     """
     from torch.fx.experimental import _config
 
-    return _config.patch(use_duck_shape=False)
+    return _config.patch(use_duck_shape=False)  # pyright: ignore[reportAttributeAccessIssue]  # install_config_module adds it
 
 
 def no_tracing_context() -> Any:

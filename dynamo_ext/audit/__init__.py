@@ -19,7 +19,7 @@ baseline, diff), :mod:`.targets` (bundled targets); then :mod:`.launch`,
 :mod:`.api`, :mod:`.cli` and :mod:`.pytest_plugin` use them.
 """
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .gate.diff import BreakDiff, diff_reports, gate
 from .model.io import load_report, report_from_json
@@ -36,6 +36,9 @@ from .model.records import (
 )
 from .rank.numerics import Step, check_step
 from .render import text as _text  # noqa: F401  (registers str(report): NOTE [report text] in model/records.py)
+
+if TYPE_CHECKING:  # loaded lazily at run time: __getattr__ below
+    from .api import audit
 
 __all__ = [
     "AuditReport",

@@ -12,7 +12,7 @@ from .merge.merger import merge
 from .model.records import AuditReport
 from .rank.collector import Collector, dynamo_counters
 from .rank.identity import target_root
-from .rank.numerics import as_step, check_step
+from .rank.numerics import MakeStepResult, as_step, check_step
 from .schema.events import FORMAT_VERSION, End, EventKind, Start, to_dict
 
 
@@ -38,9 +38,9 @@ def _check_audit_arguments(fn: Any, check_numerics: Any, rtol: float | None, ato
 
 
 def audit(
-    fn: Any,
+    fn: Callable[..., Any],
     *args: Any,
-    check_numerics: Callable[[], Any] | None = None,
+    check_numerics: Callable[[], MakeStepResult] | None = None,
     rtol: float | None = None,
     atol: float | None = None,
     **compile_kwargs: Any,

@@ -7,7 +7,7 @@ Inductor's graphs, and the nodes our passes make), else ``meta["example_value"]`
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypeGuard
 
 import torch
 import torch.fx
@@ -22,7 +22,7 @@ def example_value(node: Any) -> Any:
     return node.meta.get("val", node.meta.get("example_value"))
 
 
-def is_call(node: Any, *targets: Any) -> bool:
+def is_call(node: Any, *targets: Any) -> TypeGuard[torch.fx.Node]:
     """Whether ``node`` is a ``call_function`` node calling one of ``targets``."""
     return isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target in targets
 

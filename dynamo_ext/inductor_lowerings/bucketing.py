@@ -65,10 +65,12 @@ left alone.  Sizes (small threshold, bucket cap) count the unsharded side.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.fx
+from torch.fx.node import Target
 
 from .. import _compat
 from ..fx import collectives as fx_collectives
@@ -93,7 +95,7 @@ class _Member:
     """Shape of the collective's result (what the wait's users see)."""
 
 
-_KINDS = {
+_KINDS: dict[Target, str] = {
     c10d.all_reduce.default: ALL_REDUCE,
     c10d.all_gather_into_tensor.default: ALL_GATHER,
     c10d.reduce_scatter_tensor.default: REDUCE_SCATTER,
@@ -221,7 +223,7 @@ def plan_buckets(graph: torch.fx.Graph) -> list[list[_Member]]:
             and bucket.nbytes + nbytes <= options.bucket_cap_bytes
         )
         waits.add(wait)
-        if joins:
+        if joins and bucket is not None:
             bucket.members.append(member)
             bucket.nbytes += nbytes
             bucket.tainted.add(wait)
@@ -293,6 +295,7 @@ def _merge_all_gather(graph: torch.fx.Graph, members: list[_Member], switchable:
     """NOTE [all-gather / reduce-scatter buckets]: pack, gather, re-assemble rank order."""
     last = members[-1].collective
     _, size, group_name = last.args
+    assert isinstance(size, int), size  # the group size: an int in the op's schema
     total = sum(m.numel for m in members)
     flats = [call(graph, aten.view.default, (m.collective.args[0], [m.numel]), m.collective) for m in members]
     packed = call(graph, aten.cat.default, (flats, 0), last)
@@ -318,6 +321,7 @@ def _merge_reduce_scatter(graph: torch.fx.Graph, members: list[_Member], switcha
     """NOTE [all-gather / reduce-scatter buckets]: rank r's chunk holds every member's r-th chunk."""
     last = members[-1].collective
     _, reduce_op, size, group_name = last.args
+    assert isinstance(size, int), size  # the group size: an int in the op's schema
     chunks = [m.numel // size for m in members]
     blocks = [
         call(graph, aten.view.default, (m.collective.args[0], [size, c]), m.collective) for m, c in zip(members, chunks)
@@ -332,7 +336,7 @@ def _merge_reduce_scatter(graph: torch.fx.Graph, members: list[_Member], switcha
     return merged
 
 
-_MERGERS = {
+_MERGERS: dict[Target, Callable[[torch.fx.Graph, list[_Member], bool], torch.fx.Node]] = {
     c10d.all_reduce.default: _merge_all_reduce,
     c10d.all_gather_into_tensor.default: _merge_all_gather,
     c10d.reduce_scatter_tensor.default: _merge_reduce_scatter,

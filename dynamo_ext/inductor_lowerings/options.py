@@ -11,8 +11,14 @@ the error :func:`_check` raises.
 
 import difflib
 import sys
+from typing import TYPE_CHECKING
 
 from .. import _compat
+
+if TYPE_CHECKING:
+    # patch(), get_hash(), load_config() ...: what install_config_module adds at run time, typed the way torch's
+    # own config modules type them (a stub-only module, never imported at run time)
+    from torch.utils._config_typing import *  # noqa: F403  # pyright: ignore[reportMissingModuleSource, reportWildcardImportFromLibrary]
 
 residual_rms_norm: bool = True
 """Fuse ``all_reduce -> wait -> add residual -> RMSNorm`` into one op (the residual RMSNorm fusion)."""

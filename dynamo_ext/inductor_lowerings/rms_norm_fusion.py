@@ -34,7 +34,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import operator
-from typing import Any
+from typing import Any, TypeGuard
 
 import torch
 import torch.fx
@@ -89,22 +89,34 @@ def _other(node: torch.fx.Node, this: torch.fx.Node) -> Any:
     return None
 
 
-def _is_convert(node: Any) -> bool:
+def _is_convert(node: Any) -> TypeGuard[torch.fx.Node]:
     return is_call(node, prims.convert_element_type.default) and isinstance(node.args[1], torch.dtype)
+
+
+def _convert_dtype(node: torch.fx.Node) -> torch.dtype:
+    """The dtype a node that passed :func:`_is_convert` converts to."""
+    dtype = node.args[1]
+    assert isinstance(dtype, torch.dtype)
+    return dtype
 
 
 def _is_square(node: torch.fx.Node, h: torch.fx.Node) -> bool:
     if is_call(node, aten.pow.Tensor_Scalar) and node.args[0] is h:
-        return node.args[1] == 2
+        return isinstance(node.args[1], (int, float)) and node.args[1] == 2
     return is_call(node, aten.mul.Tensor) and node.args[0] is h and node.args[1] is h
 
 
-def _is_last_dim_mean(node: Any, x: torch.fx.Node, ndim: int) -> bool:
+def _is_last_dim_mean(node: Any, x: torch.fx.Node, ndim: int) -> TypeGuard[torch.fx.Node]:
     if not (is_call(node, aten.mean.dim) and node.args[0] is x):
         return False
     dims = node.args[1]
     keepdim = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
-    return keepdim is True and list(dims) in ([-1], [ndim - 1]) and node.kwargs.get("dtype") is None
+    return (
+        keepdim is True
+        and isinstance(dims, (list, tuple))
+        and list(dims) in ([-1], [ndim - 1])
+        and node.kwargs.get("dtype") is None
+    )
 
 
 def _scalar_add_operand(node: Any, x: torch.fx.Node) -> float | None:
@@ -133,7 +145,7 @@ def _match_tail(
     out, weight, mid, last_cast, nodes = norm, None, None, None, []
     user = sole_user(out)
     if _is_convert(user):
-        mid, out = user.args[1], user
+        mid, out = _convert_dtype(user), user
         nodes.append(user)
         user = sole_user(out)
     if is_call(user, aten.mul.Tensor) and _is_weight_for(_other(user, out), hidden, ndim):
@@ -141,7 +153,7 @@ def _match_tail(
         nodes.append(user)
         user = sole_user(out)
         if _is_convert(user):
-            last_cast, out = user.args[1], user
+            last_cast, out = _convert_dtype(user), user
             nodes.append(user)
     return out, weight, mid, last_cast, nodes
 
@@ -160,7 +172,9 @@ def _match_decomposed(base: dict[str, Any], add: torch.fx.Node, hidden: int, ndi
                 continue
             eps_node = sole_user(mean)
             eps = _scalar_add_operand(eps_node, mean)
-            rsqrt = sole_user(eps_node) if eps is not None else None
+            if eps_node is None or eps is None:
+                continue
+            rsqrt = sole_user(eps_node)
             if not is_call(rsqrt, aten.rsqrt.default):
                 continue
             for norm in rsqrt.users:
@@ -187,10 +201,10 @@ def _match_fused_op(base: dict[str, Any], add: torch.fx.Node, hidden: int, ndim:
     if fused_op is None:
         return None
     for node in add.users:
-        if not is_call(node, fused_op.default) or node.args[0] is not add or list(node.args[1]) != [hidden]:
+        if not is_call(node, fused_op.default) or node.args[0] is not add or node.args[1] not in ([hidden], (hidden,)):
             continue
         weight = node.args[2] if len(node.args) > 2 else None
-        if weight is not None and not _is_weight_for(weight, hidden, ndim):
+        if weight is not None and not (isinstance(weight, torch.fx.Node) and _is_weight_for(weight, hidden, ndim)):
             continue
         getitems = {u.args[1]: u for u in node.users if is_call(u, operator.getitem)}
         if 0 not in getitems or len(getitems) != len(node.users):
@@ -200,6 +214,8 @@ def _match_fused_op(base: dict[str, Any], add: torch.fx.Node, hidden: int, ndim:
         eps = node.args[3] if len(node.args) > 3 else None
         if eps is None:
             eps = torch.finfo(torch.float32 if compute == torch.float32 else torch.float64).eps
+        if not isinstance(eps, (int, float)):
+            continue
         return ResidualRMSNormMatch(
             **base,
             weight=weight,
@@ -370,7 +386,7 @@ def rewrite(graph: torch.fx.Graph, match: ResidualRMSNormMatch, *, one_shot: boo
         if not item.users:
             getitem = item.args[0] if one_shot else None
             graph.erase_node(item)
-            if getitem is not None and not getitem.users:
+            if isinstance(getitem, torch.fx.Node) and not getitem.users:
                 graph.erase_node(getitem)
 
 

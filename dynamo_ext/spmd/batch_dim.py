@@ -26,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.fx
@@ -34,6 +34,9 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 from torch.distributed.tensor.experimental import implicit_replication
 
 from .. import _compat
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 log = logging.getLogger(__name__)
 
@@ -125,7 +128,7 @@ def _layout(value: Any, mesh: Any) -> Any:
 
 
 def analyze_batch_dims(
-    gm: torch.fx.GraphModule, example_inputs: Sequence[Any], input_batch_dims: Sequence[int | None], mesh: Any
+    gm: torch.fx.GraphModule, example_inputs: Sequence[Any], input_batch_dims: Sequence[int | None], mesh: DeviceMesh
 ) -> dict[str, Any]:
     """The data-parallel layout of every node of ``gm`` (see the module docstring).
 
@@ -165,7 +168,7 @@ class StepLayouts:
 
 
 def analyze_step(
-    gm: torch.fx.GraphModule, example_inputs: Sequence[Any], input_batch_dims: Sequence[int | None], mesh: Any
+    gm: torch.fx.GraphModule, example_inputs: Sequence[Any], input_batch_dims: Sequence[int | None], mesh: DeviceMesh
 ) -> StepLayouts:
     """:func:`analyze_batch_dims` for a whole training step, optimizer update included.
 

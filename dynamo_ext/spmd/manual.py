@@ -10,7 +10,8 @@ so the two functions are thin wrappers that translate the partition spec.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -18,23 +19,26 @@ from torch.distributed.tensor import DTensor
 from . import partition_spec as _spec
 from .sharding import mark_sharding
 
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
 log = logging.getLogger(__name__)
 
-_global_mesh: Any = None
+_global_mesh: DeviceMesh | None = None
 
 
-def set_global_mesh(mesh: Any) -> None:
+def set_global_mesh(mesh: DeviceMesh | None) -> None:
     """Set the mesh that functions taking ``mesh=None`` use (torch_xla's ``xs.set_global_mesh``)."""
     global _global_mesh
     _global_mesh = mesh
 
 
-def get_global_mesh() -> Any:
+def get_global_mesh() -> DeviceMesh | None:
     """The mesh set by :func:`set_global_mesh`, or ``None`` (torch_xla's ``xs.get_global_mesh``)."""
     return _global_mesh
 
 
-def _mesh_or_global(mesh: Any, what: str) -> Any:
+def _mesh_or_global(mesh: DeviceMesh | None, what: str) -> DeviceMesh:
     if mesh is None:
         mesh = _global_mesh
     if mesh is None:
@@ -42,7 +46,9 @@ def _mesh_or_global(mesh: Any, what: str) -> Any:
     return mesh
 
 
-def enable_manual_sharding(t: torch.Tensor, partition_spec: _spec.PartitionSpec, *, mesh: Any = None) -> torch.Tensor:
+def enable_manual_sharding(
+    t: torch.Tensor, partition_spec: _spec.PartitionSpec, *, mesh: DeviceMesh | None = None
+) -> torch.Tensor:
     """This rank's shard of ``t`` under ``partition_spec``, as a plain tensor, to work on by hand.
 
     ``mark_sharding(t, mesh, partition_spec).to_local()``: ``t`` is the global
@@ -58,7 +64,7 @@ def enable_manual_sharding(t: torch.Tensor, partition_spec: _spec.PartitionSpec,
 
 
 def disable_manual_sharding(
-    t: torch.Tensor, partition_spec: _spec.PartitionSpec, full_shape: Any, *, mesh: Any = None
+    t: torch.Tensor, partition_spec: _spec.PartitionSpec, full_shape: Sequence[int], *, mesh: DeviceMesh | None = None
 ) -> DTensor:
     """The DTensor of global shape ``full_shape`` whose shard on this rank is ``t``.
 

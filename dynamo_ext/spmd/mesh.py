@@ -16,8 +16,8 @@ from __future__ import annotations
 import collections
 import logging
 import math
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Iterable, Sequence
+from typing import Any, SupportsInt
 
 import torch
 import torch.distributed as dist
@@ -100,7 +100,7 @@ class Mesh(DeviceMesh):
 
     def __init__(
         self,
-        device_ids: Any,
+        device_ids: Iterable[SupportsInt] | torch.Tensor,
         mesh_shape: Sequence[int],
         axis_names: Sequence[str] | None = None,
         *,

@@ -81,7 +81,7 @@ def plan_buckets(
             limit = first_cap if len(buckets) == 1 else cap
             ready = max(pos[m.collective] for m in [*open_.members, r])
             fits = open_.nbytes < limit and all(
-                pos[m.wait] > ready and not _updated_between(nodes, m.collective.args[0], pos[m.collective], ready)
+                pos[m.wait] > ready and not _updated_between(nodes, _reduced(m), pos[m.collective], ready)
                 for m in [*open_.members, r]
             )
             if fits:
@@ -91,6 +91,13 @@ def plan_buckets(
         buckets.append(GradientBucket([r], nbytes))
     log.debug("gradient buckets (bytes): %s", [b.nbytes for b in buckets])
     return buckets
+
+
+def _reduced(r: Reduction) -> torch.fx.Node:
+    """The node ``r``'s all-reduce reads (the averaged gradient)."""
+    x = r.collective.args[0]
+    assert isinstance(x, torch.fx.Node), r.collective.format_node()
+    return x
 
 
 def _updated_between(nodes: list[torch.fx.Node], source: torch.fx.Node, start: int, stop: int) -> bool:
@@ -123,11 +130,13 @@ def merge_buckets(gm: torch.fx.GraphModule, buckets: list[GradientBucket]) -> No
         outs = []
         for i, m in enumerate(bucket.members):
             ph = small.placeholder(f"grad_{i}")
-            ph.meta["val"] = m.collective.args[0].meta.get("val")
-            collective = small.call_function(m.collective.target, (ph, *m.collective.args[1:]))
+            ph.meta["val"] = _reduced(m).meta.get("val")
+            target = m.collective.target
+            assert callable(target), m.collective.format_node()  # a call_function node's target
+            collective = small.call_function(target, (ph, *m.collective.args[1:]))
             wait = small.call_function(c10d.wait_tensor.default, (collective,))
             collective.meta["val"] = wait.meta["val"] = ph.meta["val"]
-            env[ph] = m.collective.args[0]
+            env[ph] = _reduced(m)
             outs.append(wait)
         small.output(tuple(outs))
         bucket_collectives(small)
@@ -174,7 +183,7 @@ def split_at_buckets(gm: torch.fx.GraphModule, buckets: list[GradientBucket]) ->
         partition[n] = current
         if n in cuts:
             current += 1
-    split = split_module(gm, None, lambda n: partition[n], keep_original_order=True)
+    split = split_module(gm, gm, lambda n: partition[n], keep_original_order=True)
     log.debug("split the step into %d submodules", current + 1)
     return split
 

@@ -33,7 +33,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.fx
@@ -46,6 +46,9 @@ from .batch_agreement import agree_batch_sizes
 from .batch_dim import analyze_step
 from .reductions import Reduction, insert_reductions
 from .step_trace import StepArgs, TracedStep, collect, static_key, trace_step
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 log = logging.getLogger(__name__)
 
@@ -72,10 +75,10 @@ class DataParallelStep:
     def __init__(
         self,
         step_fn: Callable[..., Any],
-        mesh: Any,
+        mesh: DeviceMesh,
         *,
         batch_dim: int | Sequence[int | None],
-        backend: Any,
+        backend: str | Callable[..., Any],
         bucket_cap_mb: float,
         first_bucket_mb: float,
         split: bool,
@@ -223,10 +226,10 @@ class DataParallelStep:
 
 def data_parallel(
     step_fn: Callable[..., Any],
-    mesh: Any,
+    mesh: DeviceMesh,
     *,
     batch_dim: int | Sequence[int | None] = 0,
-    backend: Any = "inductor",
+    backend: str | Callable[..., Any] = "inductor",
     bucket_cap_mb: float = 25,
     first_bucket_mb: float = 1,
     split: bool = True,

@@ -35,7 +35,9 @@ log = logging.getLogger(__name__)
 
 _StridedShard = _compat.strided_shard_type()
 
-PartitionSpec = tuple[Any, ...]
+PartitionSpecEntry = str | int | tuple[str | int, ...] | None
+"""One dim's entry: a mesh axis name, an axis index, a tuple of them (sharded over all, the first major), or None."""
+PartitionSpec = tuple[PartitionSpecEntry, ...]
 
 
 def _axis_names(mesh: Any) -> tuple[str, ...] | None:

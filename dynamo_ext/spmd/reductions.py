@@ -54,7 +54,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any
+from typing import Any, TypeGuard
 
 import torch
 import torch.fx
@@ -212,7 +212,7 @@ def insert_reductions(
     local_edges = {(by_name[r], by_name[i]) for r, ins in local_reads.items() for i in ins}
     reductions = []
 
-    def partial(n: Any) -> bool:
+    def partial(n: Any) -> TypeGuard[torch.fx.Node]:
         return isinstance(n, torch.fx.Node) and isinstance(layouts.get(n.name), Partial)
 
     # 1. gradients: reduced where they are born; every later reader but a local one reads the average.

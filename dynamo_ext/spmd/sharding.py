@@ -21,12 +21,15 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.distributed.tensor import DTensor, Replicate
 
 from . import partition_spec as _spec
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +59,7 @@ def _check_arguments(t: Any, mesh: Any, what: str) -> None:
         )
 
 
-def mark_sharding(t: torch.Tensor, mesh: Any, partition_spec: _spec.PartitionSpec) -> DTensor:
+def mark_sharding(t: torch.Tensor, mesh: DeviceMesh, partition_spec: _spec.PartitionSpec) -> DTensor:
     """Shard ``t`` over ``mesh`` as ``partition_spec`` says (torch_xla's ``xs.mark_sharding``).
 
     Args:
@@ -94,7 +97,7 @@ def mark_sharding(t: torch.Tensor, mesh: Any, partition_spec: _spec.PartitionSpe
     return _replicated(t, mesh).redistribute(mesh, placements)
 
 
-def with_sharding_constraint(t: torch.Tensor, mesh: Any, partition_spec: _spec.PartitionSpec) -> DTensor:
+def with_sharding_constraint(t: torch.Tensor, mesh: DeviceMesh, partition_spec: _spec.PartitionSpec) -> DTensor:
     """Constrain ``t`` to the layout of ``partition_spec`` inside compiled code (JAX's ``with_sharding_constraint``).
 
     A DTensor already laid out as the spec is returned as is (no op in the
@@ -143,7 +146,7 @@ class ShardingSpec:
     has no counterpart: DTensor inputs are global tensors.
     """
 
-    mesh: Any
+    mesh: DeviceMesh
     partition_spec: _spec.PartitionSpec
 
     def can_apply(self, t: torch.Tensor) -> bool:

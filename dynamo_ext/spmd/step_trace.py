@@ -28,7 +28,7 @@ import contextlib
 import dataclasses
 import logging
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.fx
@@ -202,8 +202,19 @@ def _swap_optimizer(opt: torch.optim.Optimizer, fakes: dict[int, torch.Tensor], 
         opt.state = saved_state
 
 
+def _size_symbol(fake: torch.Tensor, dim: int) -> Any:
+    """The sympy symbol of ``fake``'s size along ``dim`` (made dynamic by ``_compat.fake_tensor``)."""
+    size = fake.shape[dim % fake.ndim]
+    assert isinstance(size, torch.SymInt), f"batch dim {dim} of {tuple(fake.shape)} is not symbolic"
+    return size.node.expr
+
+
 def trace_step(
-    step_fn: Callable[..., Any], step: StepArgs, batch_dims: Sequence[int | None], *, tracing_mode: str = "symbolic"
+    step_fn: Callable[..., Any],
+    step: StepArgs,
+    batch_dims: Sequence[int | None],
+    *,
+    tracing_mode: Literal["fake", "symbolic"] = "symbolic",
 ) -> TracedStep:
     """Trace ``step_fn`` on fakes of ``step``'s tensors (see the module docstring).
 
@@ -246,9 +257,7 @@ def trace_step(
                 )
         fakes.append(_compat.fake_tensor(mode, t, dynamic_dim=dim, name=f"batch{n}"))
     # The symbols as created (tracing may replace one by another, e.g. two batch sizes found equal).
-    symbols = [
-        None if d is None else f.shape[d % f.ndim].node.expr for f, d in zip(fakes[step.num_fixed :], batch_dims)
-    ]
+    symbols = [None if d is None else _size_symbol(f, d) for f, d in zip(fakes[step.num_fixed :], batch_dims)]
     record: dict[str, Any] = {}
     n_params, n_buffers = len(step.params), len(step.buffers)
 
@@ -280,7 +289,7 @@ def trace_step(
                     )
                     stack.callback(hook.remove)
             for m in step.modules:
-                names = dict(m.named_parameters(remove_duplicate=False))
+                names: dict[str, torch.Tensor] = dict(m.named_parameters(remove_duplicate=False))
                 names.update(dict(m.named_buffers(remove_duplicate=False)))
                 stack.enter_context(_compat.reparametrize_module(m, {k: by_id[id(v)] for k, v in names.items()}))
             for i, opt in enumerate(step.optimizers):

@@ -243,7 +243,7 @@ class DistributedObjectVariable(VariableTracker):
         return super().mp_subscript_impl(tx, key)
 
 
-def raise_user_error(tx: Any, exc: BaseException) -> None:
+def raise_user_error(tx: Any, exc: Exception) -> None:
     """Re-raise ``exc`` (raised by the real object at trace time) as the user's exception.
 
     An "observed" exception is one Dynamo treats as raised by user code: a

@@ -190,6 +190,7 @@ class ImplicitReplicationVariable(_compat.ContextWrappingVariable):
         return _compat.ConstantVariable.create(None)
 
     def exit(self, tx: Any, *args: Any) -> Any:
+        assert self.initial_values is not None  # set by create()
         self._set(tx, self.initial_values[0])
         return _compat.ConstantVariable.create(None)
 

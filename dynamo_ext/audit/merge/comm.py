@@ -188,5 +188,5 @@ def _eager_counts(events_by_rank: dict[int, list[ev.Event]], ref: set[int]) -> t
     rank = _numerics_rank(events_by_rank, ref)
     if rank is None:
         return None
-    e = next(e for e in events_by_rank[rank] if isinstance(e, ev.Numerics) and e.eager_comm)
-    return tuple((ph, k, int(n)) for ph in ("backward", "forward") for k, n in sorted(e.eager_comm.get(ph, {}).items()))
+    comm = next(e.eager_comm for e in events_by_rank[rank] if isinstance(e, ev.Numerics) and e.eager_comm)
+    return tuple((ph, k, int(n)) for ph in ("backward", "forward") for k, n in sorted(comm.get(ph, {}).items()))

@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 import linecache
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
@@ -392,7 +392,7 @@ class Merger:
 
 
 def merge(
-    events_by_rank: dict[int, list[ev.Event | dict[str, Any]]],
+    events_by_rank: Mapping[int, Iterable[ev.Event | dict[str, Any]]],
     *,
     target: str,
     world_size: int,

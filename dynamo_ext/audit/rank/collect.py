@@ -127,7 +127,7 @@ class _SignalWatch:
             if not data:
                 return
             if int(signal.SIGUSR1) in data and signal.getsignal(signal.SIGUSR1) is self._handler:
-                frame = sys._current_frames().get(self._main)
+                frame = sys._current_frames().get(self._main) if self._main is not None else None
                 if frame is not None:
                     self.on_stack(frame)
             if int(signal.SIGTERM) in data and signal.getsignal(signal.SIGTERM) is self._handler:
@@ -205,6 +205,8 @@ def _with_default_group(fn: Any, *, store_prefix: str | None = None) -> Any:
     import torch
     import torch.distributed as dist
 
+    from ... import _compat
+
     created = False
     if not dist.is_initialized():
         backend = "nccl" if torch.cuda.is_available() else "gloo"
@@ -212,14 +214,16 @@ def _with_default_group(fn: Any, *, store_prefix: str | None = None) -> Any:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         if store_prefix is not None and "MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ:
             rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-            store = dist.TCPStore(
+            store = _compat.tcp_store(
                 os.environ["MASTER_ADDR"],
                 int(os.environ["MASTER_PORT"]),
                 world,
-                False,
+                is_master=False,
                 timeout=datetime.timedelta(seconds=300),
             )
-            dist.init_process_group(backend, store=dist.PrefixStore(store_prefix, store), rank=rank, world_size=world)
+            dist.init_process_group(
+                backend, store=_compat.prefix_store(store_prefix, store), rank=rank, world_size=world
+            )
         else:
             dist.init_process_group(backend)
         created = True

@@ -305,8 +305,8 @@ class Collector(logging.Handler):
         # caused it: the identity and the fix belong to the innermost cause.
         wrapper = getattr(exc, "gb_type", None) or ""
         cause = exc
-        while isinstance(getattr(cause, "__cause__", None), Exception) and getattr(cause.__cause__, "gb_type", None):
-            cause = cause.__cause__
+        while isinstance(inner := getattr(cause, "__cause__", None), Exception) and getattr(inner, "gb_type", None):
+            cause = inner
         msg = getattr(cause, "msg", None) or (str(cause) if cause is not None else payload)
         # unimplemented(from_exc=<Unsupported>) keeps the cause only as the head of the message.
         msg, _, _ = msg.partition("\n\n*** While handling this graph break, another graph break occurred")
@@ -424,7 +424,7 @@ class _Quiet(logging.Handler):
 _QUIET = _Quiet()
 
 
-def dynamo_counters() -> dict[str, Any]:
+def dynamo_counters() -> dict[str, int]:
     """The totals of ``torch._dynamo.utils.counters`` the audit cross-checks against."""
     counters = _compat.dynamo_counters()
     return {

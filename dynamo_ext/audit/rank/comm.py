@@ -100,6 +100,7 @@ def p2p_bytes(coll: FxCollective) -> tuple[int, int]:
     if coll.name == "irecv":
         return 0, coll.bytes_out
     ops, tensors = coll.node.args[0], coll.node.args[3]
+    assert isinstance(ops, (list, tuple)) and isinstance(tensors, (list, tuple)), coll.node.format_node()
     sent = sum(tensor_bytes(example_value(t)) for op, t in zip(ops, tensors) if "send" in str(op))
     return sent, sum(tensor_bytes(example_value(t)) for op, t in zip(ops, tensors) if "recv" in str(op))
 

@@ -53,6 +53,10 @@ class Step:
     step: Callable[[bool], Any]
 
 
+MakeStepResult = Step | tuple[nn.Module, torch.optim.Optimizer | None, Callable[[bool], Any]]
+"""What a ``make_step()`` returns: a :class:`Step`, or its ``(model, optimizer, step)`` triple."""
+
+
 def as_step(obj: Any) -> Step:
     """A :class:`Step` from ``make_step()``'s result (a ``Step`` or a ``(model, optimizer, step)`` triple).
 
@@ -225,7 +229,7 @@ def _check(spec: Step, rtol: float | None, atol: float | None) -> dict[str, Any]
     with torch.no_grad():
         for p, s in zip(params, saved_params):
             p.copy_(s)
-    if spec.optimizer is not None:
+    if spec.optimizer is not None and saved_optim is not None:
         spec.optimizer.load_state_dict(copy.deepcopy(saved_optim))
     _set_rng_state(rng)
     compiled = _run(spec, compiled=True)

@@ -69,7 +69,7 @@ def rank_identity(environ: MutableMapping[str, str] | None = None) -> dict[str, 
         "launcher": launcher,
     }
     if not 0 <= rank < world:
-        raise ValueError(f"rank {rank} is outside the world of {world} ranks ({names[0]}, {names[1]})")
+        raise ValueError(f"rank {rank} is outside the world of {world} ranks ({', '.join(names[:2])})")
     if launcher == "slurm":
         for key, field in (
             ("RANK", "rank"),

@@ -38,10 +38,7 @@ class EventKind(StrEnum):
     END = "end"  # the rank finished: its exit status and Dynamo's counters
 
 
-_record = dataclasses.dataclass(frozen=True, kw_only=True)
-
-
-@_record
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Start:
     """The header: the rank's place in the job (:func:`..rank.target.rank_identity`), versions and target."""
 
@@ -61,7 +58,7 @@ class Start:
     time: float | None = None
 
 
-@_record
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Break:
     """One graph break or frame skip; ``stack`` frames are ``(file, line, function, source)``, outermost first."""
 
@@ -82,7 +79,7 @@ class Break:
     time: float | None = None
 
 
-@_record
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Compile:
     """One frame compile; collectives of its forward (or Dynamo) graph and its backward graph, counted and in order."""
 
@@ -106,7 +103,7 @@ class Compile:
     time: float | None = None
 
 
-@_record
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Fusion:
     """One applied fusion, keyed by its graph's compile id (``after_compile``: logged after that frame's compile)."""
 
@@ -122,7 +119,7 @@ class Fusion:
     time: float | None = None
 
 
-@_record
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class CommGraph:
     """The collectives of one AOT graph, one dict per collective (NOTE [communication report] in ``rank/comm.py``)."""
 
@@ -136,7 +133,7 @@ class CommGraph:
     time: float | None = None
 
 
-@_record
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Numerics:
     """The numerics check of one rank (``rank/numerics.py``); ``eager_comm``: the eager step's collective counts."""
 
@@ -147,7 +144,7 @@ class Numerics:
     time: float | None = None
 
 
-@_record
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Error:
     """The target raised (``type`` ``Terminated``: the launcher stopped the rank with SIGTERM)."""
 
@@ -158,7 +155,7 @@ class Error:
     time: float | None = None
 
 
-@_record
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Internal:
     """The audit itself failed on something; the report lists it among its errors."""
 
@@ -167,7 +164,7 @@ class Internal:
     time: float | None = None
 
 
-@_record
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Stack:
     """Where the main thread is (NOTE [where each rank waits] in ``collective_check/stream.py``)."""
 
@@ -180,12 +177,12 @@ class Stack:
     time: float | None = None
 
 
-@_record
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class End:
     """The rank finished: the exit status it returns and Dynamo's counters (their change during the run)."""
 
     KIND: ClassVar[EventKind] = EventKind.END
-    counters: dict[str, Any] = dataclasses.field(default_factory=dict)
+    counters: dict[str, int] = dataclasses.field(default_factory=dict)
     status: int = 0
     time: float | None = None
 

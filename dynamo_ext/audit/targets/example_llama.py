@@ -153,7 +153,9 @@ def compiled_backward(backend: str, *, enabled: bool = True) -> contextlib.Abstr
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def _placements(t: torch.Tensor) -> tuple[object, ...] | None:
@@ -218,7 +220,7 @@ def check_against_eager(model: nn.Module, reference: nn.Module, loss: torch.Tens
         raise RuntimeError(f"rank {dist.get_rank()}: the compiled step differs from eager: " + "; ".join(problems[:6]))
 
 
-def make_step() -> tuple[Decoder, torch.optim.Optimizer, Callable[[bool], torch.Tensor]]:
+def make_step() -> tuple[Decoder, torch.optim.Optimizer, Callable[[bool], dict[str, torch.Tensor]]]:
     """The audit's step protocol (docs/audit.md, "Numerics check"): the parallelized model, AdamW, ``step(compiled)``.
 
     ``step(True)`` runs the forward through ``torch.compile`` and ``loss.backward()``

@@ -45,11 +45,11 @@ def _blockwise_barrier(signal_pad_ptrs, block_id, rank, WORLD_SIZE: tl.constexpr
     recv = local_pad.to(tl.pointer_type(tl.int32)) + first + tl.where(active, peer, rank)
     tl.debug_barrier()
     pending = active
-    while tl.max(pending.to(tl.int32), axis=0) > 0:
+    while tl.max(pending.to(tl.int32), axis=0) > 0:  # pyright: ignore[reportOperatorIssue]  # Triton DSL: tl.max of a block is a scalar
         old = tl.atomic_cas(send, tl.where(pending, 0, 2), tl.where(pending, 1, 2), sem="release", scope="sys")
         pending = pending & (old != 0)
     pending = active
-    while tl.max(pending.to(tl.int32), axis=0) > 0:
+    while tl.max(pending.to(tl.int32), axis=0) > 0:  # pyright: ignore[reportOperatorIssue]  # Triton DSL: tl.max of a block is a scalar
         old = tl.atomic_cas(recv, tl.where(pending, 1, 2), tl.where(pending, 0, 2), sem="acquire", scope="sys")
         pending = pending & (old != 1)
     tl.debug_barrier()
@@ -83,8 +83,8 @@ def _peer_sum_plus_residual(table, input_base, cols, mask, residual_row, DTYPE: 
     result), then the residual add rounds once more, as the aten ops do.
     """
     acc = tl.zeros(cols.shape, dtype=tl.float32)
-    for peer in tl.static_range(WORLD_SIZE):
-        ptrs = tl.load(table + peer).to(tl.pointer_type(DTYPE)) + input_base + cols
+    for peer in tl.static_range(WORLD_SIZE):  # pyright: ignore[reportGeneralTypeIssues]  # Triton DSL: unrolled by the compiler
+        ptrs = tl.load(table + peer).to(tl.pointer_type(DTYPE)) + input_base + cols  # pyright: ignore[reportArgumentType]  # Triton DSL: a constexpr dtype
         if VEC > 1:  # a pointer from a table carries no alignment: say it (16 bytes), or reads stay scalar
             ptrs = tl.multiple_of(ptrs, [16])
         acc += tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
@@ -224,6 +224,6 @@ def _one_shot_all_reduce_residual_rms_norm_kernel(
         _fused_row(
             table, input_offset + offs, residual_ptr + offs, weight_ptr, sum_out_ptr + offs,
             norm_out_ptr + offs, rstd_out_ptr + row, sum_out_ptr, norm_out_ptr, rstd_out_ptr, n_cols, eps,
-            dtype, out_dtype, WORLD_SIZE, BLOCK_N, N_CHUNKS, VEC, HAS_WEIGHT, False, MID_DTYPE, PRODUCT_DTYPE,
+            dtype, out_dtype, WORLD_SIZE, BLOCK_N, N_CHUNKS, VEC, HAS_WEIGHT, False, MID_DTYPE, PRODUCT_DTYPE,  # pyright: ignore[reportArgumentType]  # Triton DSL: a bool constexpr
         )  # fmt: skip
     _blockwise_barrier(signal_pad_ptrs, pid, rank, WORLD_SIZE, PEERS)

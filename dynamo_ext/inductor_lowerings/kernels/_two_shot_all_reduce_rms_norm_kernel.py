@@ -100,8 +100,8 @@ def _two_shot_all_reduce_residual_rms_norm_kernel(
     table = buffer_ptrs.to(tl.pointer_type(tl.int64))
     stage_table = staging_ptrs.to(tl.pointer_type(tl.int64))
     local_base = tl.load(stage_table + rank)
-    sum_stage = local_base.to(tl.pointer_type(dtype)) + sum_stage_offset
-    norm_stage = local_base.to(tl.pointer_type(out_dtype)) + norm_stage_offset
+    sum_stage = local_base.to(tl.pointer_type(dtype)) + sum_stage_offset  # pyright: ignore[reportArgumentType]  # Triton DSL: a constexpr dtype
+    norm_stage = local_base.to(tl.pointer_type(out_dtype)) + norm_stage_offset  # pyright: ignore[reportArgumentType]  # Triton DSL: a constexpr dtype
     rstd_stage = local_base.to(tl.pointer_type(tl.float32)) + rstd_stage_offset
 
     # 1-2. reduce-scatter this rank's rows, with the residual add and the norm
@@ -112,17 +112,17 @@ def _two_shot_all_reduce_residual_rms_norm_kernel(
         _fused_row(
             table, input_offset + offs, residual_ptr + offs, weight_ptr, sum_out_ptr + offs,
             norm_out_ptr + offs, rstd_out_ptr + row, sum_stage + offs, norm_stage + offs, rstd_stage + row,
-            n_cols, eps, dtype, out_dtype, WORLD_SIZE, BLOCK_N, N_CHUNKS, VEC, HAS_WEIGHT, True,
+            n_cols, eps, dtype, out_dtype, WORLD_SIZE, BLOCK_N, N_CHUNKS, VEC, HAS_WEIGHT, True,  # pyright: ignore[reportArgumentType]  # Triton DSL: a bool constexpr
             MID_DTYPE, PRODUCT_DTYPE,
         )  # fmt: skip
 
     # 3-4. all-gather the peers' finished rows (the same rows program pid wrote there)
     _blockwise_barrier(signal_pad_ptrs, pid, rank, WORLD_SIZE, PEERS)
-    for step in tl.static_range(1, WORLD_SIZE):
+    for step in tl.static_range(1, WORLD_SIZE):  # pyright: ignore[reportGeneralTypeIssues]  # Triton DSL: unrolled by the compiler
         peer = (rank + step) % WORLD_SIZE  # staggered, so ranks do not all read one peer at once
         peer_base = tl.load(stage_table + peer)
-        peer_sum = peer_base.to(tl.pointer_type(dtype)) + sum_stage_offset
-        peer_norm = peer_base.to(tl.pointer_type(out_dtype)) + norm_stage_offset
+        peer_sum = peer_base.to(tl.pointer_type(dtype)) + sum_stage_offset  # pyright: ignore[reportArgumentType]  # Triton DSL: a constexpr dtype
+        peer_norm = peer_base.to(tl.pointer_type(out_dtype)) + norm_stage_offset  # pyright: ignore[reportArgumentType]  # Triton DSL: a constexpr dtype
         peer_rstd = peer_base.to(tl.pointer_type(tl.float32)) + rstd_stage_offset
         peer_start, peer_end = _slice_bounds(peer, n_rows, WORLD_SIZE)
         for row in range(peer_start + pid, peer_end, n_programs):

@@ -49,7 +49,7 @@ def _accumulate_dtensor(variable: Any, grad: Any, has_post_hooks: bool) -> bool:
     if (
         variable.grad is None
         and not torch.is_grad_enabled()
-        and isinstance(grad, torch.distributed.tensor.DTensor)
+        and isinstance(grad, torch.distributed.tensor.DTensor)  # pyright: ignore[reportAttributeAccessIssue]  # imported
         and grad.placements == variable.placements
     ):
         new_grad = torch.empty_like(variable)

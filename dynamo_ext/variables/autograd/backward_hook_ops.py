@@ -185,7 +185,8 @@ def run_module_hooks(site_id: int, phase: int, defined: list[int], grads: list[t
     """
     s = _SITES.get(site_id)
     module = s.module() if s is not None else None
-    if module is None:  # module freed or plugin uninstalled: hooks cannot run (eager would not have them either)
+    # module freed or plugin uninstalled: hooks cannot run (eager would not have them either)
+    if s is None or module is None:
         return [g.clone() for g in grads]
     if phase == PHASE_OUTPUTS:
         out = _run_pre_hooks(s, module, list(defined), list(grads))
@@ -222,7 +223,7 @@ class HookOutputs(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:
         defined = [i for i, g in enumerate(grads) if g is not None]
-        new = _call_op(ctx.site_id, PHASE_OUTPUTS, defined, [grads[i] for i in defined])
+        new = _call_op(ctx.site_id, PHASE_OUTPUTS, defined, [g for g in grads if g is not None])
         out: list[Any] = [None] * len(grads)
         for i, g in zip(defined, new):
             out[i] = g

@@ -64,7 +64,7 @@ def send(tensor, dst=None, group=None, tag=0, group_dst=None):
     if not_in_group(group):
         return None
     _not_self(group, peer, "destination")
-    isend(tensor, group=group, tag=tag, group_dst=peer).wait()
+    isend(tensor, group=group, tag=tag, group_dst=peer).wait()  # pyright: ignore[reportOptionalMemberAccess]  # in group
     return None
 
 
@@ -76,8 +76,8 @@ def recv(tensor, src=None, group=None, tag=0, group_src=None):
     peer = group_peer(group, src, group_src, "dist.recv")
     _not_self(group, peer, "source")
     work = irecv(tensor, group=group, tag=tag, group_src=peer)
-    work.wait()
-    return work.source_rank()
+    work.wait()  # pyright: ignore[reportOptionalMemberAccess]  # in the group: checked above
+    return work.source_rank()  # pyright: ignore[reportOptionalMemberAccess]
 
 
 class TracedP2POp(dist.P2POp):

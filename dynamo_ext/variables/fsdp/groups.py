@@ -99,7 +99,7 @@ def _build_group_hook(tx: Any, value: Any, source: Any) -> Any:
     codes = _compat.fsdp_group_hook_codes()
     inner = getattr(value, "__wrapped__", None)
     code = getattr(inner, "__code__", None)
-    if codes is None or source is None or code not in codes[1:]:
+    if codes is None or source is None or inner is None or code not in codes[1:]:
         return None  # another FSDP2 hook (reached by identity elsewhere) or a value made while tracing
     impl = group_pre_forward if code is codes[1] else group_post_forward
     bound = inner.__wrapped__  # the state's bound _pre_forward / _post_forward

@@ -47,7 +47,7 @@ def module_path_through_state(name: str) -> str | None:
     """
     m = _THROUGH_STATE.match(name)
     state = _STATES.get(m.group("state")) if m else None
-    if state is None:
+    if m is None or state is None:
         return None
     groups = _compat.fsdp_param_groups(state)
     try:
