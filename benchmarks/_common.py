@@ -1,4 +1,5 @@
-"""What several benchmark scripts share: launching ranks, timing steps, the shared corpus's timed cases.
+"""What several benchmark scripts share: launching ranks (with cold and warm caches), the bundled Llama, timing
+steps, the shared corpus's timed cases.
 
 Imported as ``from _common import ...`` (a script's own directory is on ``sys.path``).
 """
@@ -8,6 +9,7 @@ from __future__ import annotations
 import os
 import socket
 import statistics
+import tempfile
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -96,3 +98,73 @@ def compare_ways(one_way: Callable[..., dict[str, Any]], ways: tuple[str, ...], 
         return out
     finally:
         dist.destroy_process_group()
+
+
+def max_over_ranks(seconds: float) -> float:
+    """The largest ``seconds`` of all ranks of the default group (an all-reduce with MAX): the slowest rank's."""
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor([seconds])
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t)
+
+
+def bundled_llama(layers: int, *, fsdp_only: bool) -> tuple[Any, Any, Any]:
+    """``(model, config, tokens)``: the bundled Llama (``dynamo_ext.audit.targets.example_llama``, small dims) with
+    ``layers`` blocks, on the default (gloo) group.
+
+    TP + FSDP2 on a ``(2, W/2)`` mesh (``example_llama.parallelize``), or with ``fsdp_only`` FSDP2 alone per block
+    and at the root on a 1-D mesh of all ranks.  ``tokens``: int64 ``[batch, seq + 1]``, seeded per data-parallel
+    rank (the TP ranks of one data-parallel rank see the same batch).  Seeds the model with 0.
+    """
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from dynamo_ext.audit.targets import example_llama as ex
+
+    cfg = ex.Config(n_layers=layers)
+    torch.manual_seed(0)
+    if fsdp_only:
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        model = ex.Decoder(cfg)
+        for block in model.layers:
+            fully_shard(block, mesh=mesh)
+        model, dp_rank = fully_shard(model, mesh=mesh), dist.get_rank()
+    else:
+        mesh = init_device_mesh("cpu", (2, dist.get_world_size() // 2), mesh_dim_names=("dp", "tp"))
+        model, dp_rank = ex.parallelize(ex.Decoder(cfg), mesh), mesh["dp"].get_local_rank()
+    gen = torch.Generator().manual_seed(1234 + dp_rank)
+    tokens = torch.randint(0, cfg.vocab, (cfg.batch, cfg.seq + 1), generator=gen)
+    return model, cfg, tokens
+
+
+def llama_loss(model: Callable[[Any], Any], cfg: Any, tokens: Any) -> Any:
+    """Next-token cross-entropy of ``model`` on ``tokens`` (``[batch, seq + 1]``): a scalar tensor."""
+    import torch.nn.functional as F  # noqa: N812
+
+    logits = model(tokens[:, :-1])
+    return F.cross_entropy(logits.reshape(-1, cfg.vocab), tokens[:, 1:].reshape(-1))
+
+
+def cold_and_warm(launch: Callable[[], Any], *, prefix: str, warm: bool = True) -> tuple[Any, Any]:
+    """``(cold, warm)`` results of ``launch()`` run twice with one fresh ``TORCHINDUCTOR_CACHE_DIR``.
+
+    The first launch finds the directory empty (Inductor's FX graph cache, AOTAutograd's cache and the
+    collective check's records start cold); the second reads what the first wrote, as a restarted job does.
+    With ``warm=False`` the second launch is skipped and ``warm`` is ``None``.
+    """
+    cache = tempfile.mkdtemp(prefix=prefix)
+    before = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache  # inherited by the launched ranks
+    try:
+        cold = launch()
+        return cold, (launch() if warm else None)
+    finally:
+        if before is None:
+            os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
+        else:
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = before

@@ -6,7 +6,7 @@ For each way, two launches on 4 gloo ranks (torch's elastic launcher, a fresh
 process per rank each time): "cold" with a fresh ``TORCHINDUCTOR_CACHE_DIR``
 (Inductor's FX graph cache, AOTAutograd's cache, the collective check's records),
 then "warm" with the same directory, as a restarted job.  In each launch the
-model (``dynamo_ext.audit.example_llama``, small dims, ``--layers`` blocks, a
+model (``dynamo_ext.audit.targets.example_llama``, small dims, ``--layers`` blocks, a
 (2, 2) mesh) takes its first training step (forward, eager backward, AdamW
 step; compilation included), timed on the slowest rank (``--fsdp-only``: FSDP2
 alone on a 1-D mesh of the 4 ranks, no TP).  Ways:
@@ -25,12 +25,12 @@ of one run.  To measure another checkout of dynamo-ext, put it first on ``PYTHON
 from __future__ import annotations
 
 import argparse
+import functools
 import os
-import tempfile
 import time
 from typing import Any
 
-from _common import launch_on_ranks
+from _common import bundled_llama, cold_and_warm, launch_on_ranks, llama_loss, max_over_ranks
 
 WAYS = ("stock", "plugin", "plugin-nocheck")
 
@@ -38,13 +38,10 @@ WAYS = ("stock", "plugin", "plugin-nocheck")
 def _rank_main(layers: int, way: str, backend: str, fsdp_only: bool) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
-    import torch.nn.functional as F  # noqa: N812
     from torch._dynamo.utils import counters
-    from torch.distributed.device_mesh import init_device_mesh
 
     import dynamo_ext
     import dynamo_ext.config
-    from dynamo_ext.audit import example_llama as ex
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -52,35 +49,19 @@ def _rank_main(layers: int, way: str, backend: str, fsdp_only: bool) -> dict[str
         if way != "stock":
             dynamo_ext.install()
         dynamo_ext.config.collective_check = way != "plugin-nocheck"
-        cfg = ex.Config(n_layers=layers)
-        torch.manual_seed(0)
-        if fsdp_only:
-            from torch.distributed.fsdp import fully_shard
-
-            mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-            model = ex.Decoder(cfg)
-            for block in model.layers:
-                fully_shard(block, mesh=mesh)
-            model, dp_rank = fully_shard(model, mesh=mesh), dist.get_rank()
-        else:
-            mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-            model, dp_rank = ex.parallelize(ex.Decoder(cfg), mesh), mesh["dp"].get_local_rank()
+        model, cfg, tokens = bundled_llama(layers, fsdp_only=fsdp_only)
         optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
         compiled = torch.compile(model, backend=backend)
-        gen = torch.Generator().manual_seed(1234 + dp_rank)
-        tokens = torch.randint(0, cfg.vocab, (cfg.batch, cfg.seq + 1), generator=gen)
         counters.clear()
         dist.barrier()
         t0 = time.perf_counter()
-        logits = compiled(tokens[:, :-1])
-        loss = F.cross_entropy(logits.reshape(-1, cfg.vocab), tokens[:, 1:].reshape(-1))
+        loss = llama_loss(compiled, cfg, tokens)
         loss.backward()
         optim.step()
-        seconds = torch.tensor([time.perf_counter() - t0])
-        dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
+        seconds = max_over_ranks(time.perf_counter() - t0)
         aot = counters["aot_autograd"]
         return {
-            "first_s": float(seconds),
+            "first_s": seconds,
             "loss": float(loss.detach()),
             "aot": (aot["autograd_cache_hit"], aot["autograd_cache_miss"], aot["autograd_cache_bypass"]),
         }
@@ -90,8 +71,7 @@ def _rank_main(layers: int, way: str, backend: str, fsdp_only: bool) -> dict[str
         dist.destroy_process_group()
 
 
-def _launch(args: argparse.Namespace, way: str, cache: str) -> dict[str, Any]:
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache
+def _launch(args: argparse.Namespace, way: str) -> dict[str, Any]:
     return launch_on_ranks(_rank_main, args.layers, way, args.backend, args.fsdp_only, nproc=args.nproc)[0]
 
 
@@ -110,10 +90,7 @@ def main() -> None:
     rows: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {}
     loads = [os.getloadavg()[0]]
     for way in args.ways:
-        cache = tempfile.mkdtemp(prefix="bench-warm-")
-        cold = _launch(args, way, cache)
-        loads.append(os.getloadavg()[0])
-        warm = _launch(args, way, cache)
+        cold, warm = cold_and_warm(functools.partial(_launch, args, way), prefix="bench-warm-")
         loads.append(os.getloadavg()[0])
         rows[way] = (cold, warm)
         print(f"{way}: cold {cold}, warm {warm}", flush=True)

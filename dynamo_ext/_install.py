@@ -59,6 +59,7 @@ def _install() -> None:
         aot_cache_policy,
         aot_rng_order,
         async_collective_inputs,
+        block_reuse,
         collective_check,
         guards,
         inductor_lowerings,
@@ -76,6 +77,7 @@ def _install() -> None:
             aot_rng_order.install(PATCHES)  # NOTE [rng states after opaque objects]
             async_collective_inputs.install(PATCHES)  # NOTE [grad-requiring AsyncCollectiveTensor inputs]
             ddp_overlap.install(PATCHES)  # NOTE [split for overlap under DDP]
+            block_reuse.install(PATCHES)  # NOTE [block reuse]
         except BaseException:
             PATCHES.undo_all()
             raise

@@ -10,7 +10,9 @@ decorator).  Environment variables give the defaults:
 * ``DYNAMO_EXT_COLLECTIVE_CHECK_TIMEOUT=<seconds>`` sets how long a rank waits
   for the others at a check;
 * ``DYNAMO_EXT_DDP_SPLIT=1`` splits a DDP model's compiled-autograd backward at its
-  gradient buckets (NOTE [split for overlap under DDP]).
+  gradient buckets (NOTE [split for overlap under DDP]);
+* ``DYNAMO_EXT_BLOCK_REUSE=1`` compiles identical blocks once inside the one graph
+  (NOTE [block reuse]).
 """
 
 import os
@@ -54,5 +56,11 @@ ddp_split_for_overlap: bool = _Config(default=False, env_name_default="DYNAMO_EX
 (``torch._dynamo.config.optimize_ddp = "python_reducer"``) at gradient-bucket boundaries, so each bucket's
 all-reduce overlaps the rest of the backward (NOTE [split for overlap under DDP]).  Off by default: on the
 2-core CPU gloo benchmark it was slower than one graph (benchmarks/README.md)."""
+
+block_reuse: bool = _Config(default=False, env_name_default="DYNAMO_EXT_BLOCK_REUSE")
+"""Opt-in: regions of a compiled graph that repeat (the compute of identical FSDP2 blocks) become one subgraph
+called by ``invoke_subgraph`` at each place, so AOTAutograd traces and Inductor compiles it once (NOTE [block
+reuse]).  Collectives, DTensor code and higher-order ops stay in the outer graph.  Off by default:
+docs/compile_time.md has the measurements."""
 
 _install_config_module(sys.modules[__name__])

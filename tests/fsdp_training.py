@@ -36,18 +36,26 @@ class Block(nn.Module):
 
 
 class Net(nn.Module):
-    """``[B, hidden] -> [B, hidden]``: an input projection, 2 residual blocks, an output projection.
+    """``[B, hidden] -> [B, hidden]``: an input projection, residual blocks (2 unless ``inners`` gives each
+    block's inner width), an output projection.
 
     With ``norm``, a ``LayerNorm`` before the output projection (the final norm of a language model).
     """
 
     def __init__(
-        self, *, tied: bool = False, checkpoint: str = "", hidden: int = HIDDEN, inner: int = INNER, norm: bool = False
+        self,
+        *,
+        tied: bool = False,
+        checkpoint: str = "",
+        hidden: int = HIDDEN,
+        inner: int = INNER,
+        inners: tuple[int, ...] | None = None,
+        norm: bool = False,
     ) -> None:
         super().__init__()
         self.inp = nn.Linear(hidden, hidden, bias=False)
         inside = checkpoint == "inside"  # activation checkpointing inside each block, or "outside" around it
-        self.blocks = nn.ModuleList([Block(hidden, inner, inside), Block(hidden, inner, inside)])
+        self.blocks = nn.ModuleList([Block(hidden, i, inside) for i in inners or (inner, inner)])
         self.out = nn.Linear(hidden, hidden, bias=False)
         if tied:
             self.out.weight = self.inp.weight
@@ -92,6 +100,7 @@ def build(
     hidden: int = HIDDEN,
     inner: int = INNER,
     group: bool = False,
+    inners: tuple[int, ...] | None = None,
     **_: Any,
 ) -> nn.Module:
     """The model sharded with ``fully_shard`` on a 1-D mesh (or FSDP over TP on a ``(2, W/2)`` mesh).
@@ -104,7 +113,7 @@ def build(
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     torch.manual_seed(0)
-    net = Net(tied=tied, checkpoint=checkpoint, hidden=hidden, inner=inner, norm=group)
+    net = Net(tied=tied, checkpoint=checkpoint, hidden=hidden, inner=inner, inners=inners, norm=group)
     if tp:
         from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 

@@ -77,6 +77,15 @@ def compiled_autograd_accumulate_grad_with_grad_arg() -> Any:
     return fn if params == ["variable", "grad", "has_post_hooks"] else None
 
 
+def compiled_autograd_module() -> Any:
+    """``torch._dynamo.compiled_autograd`` where it reads an AOTAutograd backward through a module-level
+    ``extract_bw_module(CompiledFunction)`` (what compiled autograd inlines into its graph, 2.11 to 2.15); else
+    None."""
+    from torch._dynamo import compiled_autograd as ca
+
+    return ca if callable(getattr(ca, "extract_bw_module", None)) else None
+
+
 def tensor_hooks(t: Any) -> tuple[dict[int, Any], dict[int, Any]]:
     """``(register_hook hooks, register_post_accumulate_grad_hook hooks)`` of tensor ``t``, by handle id.
 

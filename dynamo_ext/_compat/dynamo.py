@@ -21,6 +21,7 @@ from torch._dynamo import variables as _variables
 from torch._dynamo.variables import builder as _builder
 
 from .probes import optional_attr
+from .tracing import invoke_subgraph_op
 
 # Trackers, builders, sources and guard helpers: same names and constructors on 2.11 to 2.15.
 unimplemented = _exc.unimplemented
@@ -187,6 +188,43 @@ def current_compile_id() -> Any:
 def output_graph_class() -> type:
     """``torch._dynamo.output_graph.OutputGraph``: its ``call_user_compiler`` hands a Dynamo graph to the backend."""
     return importlib.import_module("torch._dynamo.output_graph").OutputGraph
+
+
+def graph_region_tracker_class() -> Any:
+    """Dynamo's ``GraphRegionTracker`` where this release deduplicates identical graph regions into
+    ``invoke_subgraph`` (``torch._dynamo.config.use_graph_deduplication``, ``OutputGraph.dedup_pass``); else None.
+
+    2.11 to 2.15 have it (``torch/_dynamo/graph_region_tracker.py``, ``graph_deduplication.py``).
+    """
+    cfg = torch._dynamo.config
+    if not all(hasattr(cfg, f) for f in ("use_graph_deduplication", "track_nodes_for_deduplication")):
+        return None
+    if invoke_subgraph_op() is None:
+        return None
+    if not callable(getattr(output_graph_class(), "dedup_pass", None)):
+        return None
+    tracker = optional_attr("torch._dynamo.graph_region_tracker", "GraphRegionTracker")
+    if tracker is None or not all(hasattr(tracker, f) for f in ("track_node", "get_identical_regions")):
+        return None
+    return tracker
+
+
+def apply_graph_deduplication(output_graph: Any) -> Any:
+    """``torch._dynamo.graph_deduplication.apply_graph_deduplication(output_graph)``: identical regions of the
+    Dynamo graph become one subgraph called by ``invoke_subgraph`` at each place; returns the new subgraphs."""
+    return importlib.import_module("torch._dynamo.graph_deduplication").apply_graph_deduplication(output_graph)
+
+
+def dynamo_convert_frame() -> Any:
+    """``torch._dynamo.convert_frame``: every frame Dynamo compiles goes through its module-level ``_compile``.
+
+    Raises:
+        RuntimeError: this release has no module-level ``_compile`` there (2.11 to 2.15 have it).
+    """
+    module = importlib.import_module("torch._dynamo.convert_frame")
+    if not callable(getattr(module, "_compile", None)):
+        raise RuntimeError("torch._dynamo.convert_frame._compile is missing: dynamo-ext's block reuse needs it")
+    return module
 
 
 class _FreshBackend:

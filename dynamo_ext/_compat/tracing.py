@@ -142,6 +142,12 @@ def is_higher_order_op(target: Any) -> bool:
     return hop is not None and isinstance(target, hop)
 
 
+def invoke_subgraph_op() -> Any:
+    """``torch.ops.higher_order.invoke_subgraph`` (a region compiled once and called at each place: 2.11 to
+    2.15), ``None`` where this release lacks it."""
+    return getattr(torch.ops.higher_order, "invoke_subgraph", None)
+
+
 def destroy_library(lib: torch.library.Library) -> None:
     """Remove every definition and implementation ``lib`` registered (``Library._destroy``)."""
     lib._destroy()

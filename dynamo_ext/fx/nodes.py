@@ -12,7 +12,17 @@ from typing import Any, TypeGuard
 import torch
 import torch.fx
 
-__all__ = ["example_value", "is_call", "sole_user", "static_contiguous", "static_shape", "tensor_bytes"]
+from .. import _compat
+
+__all__ = [
+    "example_value",
+    "is_call",
+    "is_invoke_subgraph",
+    "sole_user",
+    "static_contiguous",
+    "static_shape",
+    "tensor_bytes",
+]
 
 
 def example_value(node: Any) -> Any:
@@ -25,6 +35,12 @@ def example_value(node: Any) -> Any:
 def is_call(node: Any, *targets: Any) -> TypeGuard[torch.fx.Node]:
     """Whether ``node`` is a ``call_function`` node calling one of ``targets``."""
     return isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target in targets
+
+
+def is_invoke_subgraph(node: Any) -> bool:
+    """Whether ``node`` calls the ``invoke_subgraph`` higher-order op (a region compiled once, called here)."""
+    op = _compat.invoke_subgraph_op()
+    return op is not None and is_call(node, op)
 
 
 def sole_user(node: torch.fx.Node) -> torch.fx.Node | None:

@@ -1,7 +1,7 @@
 """Inductor lowerings and post-grad passes that fuse collectives with their neighbours.
 
 ``install(patches)`` (called by :func:`dynamo_ext.install`) defines our two custom
-ops, registers their lowerings in Inductor's ``lowerings`` table, and appends two
+ops, registers their lowerings in Inductor's ``lowerings`` table, and appends three
 post-grad passes after any the user set in
 ``torch._inductor.config.post_grad_custom_post_pass``:
 
@@ -10,7 +10,10 @@ post-grad passes after any the user set in
 2. :class:`~.bucketing.AllReduceBucketingPass`: independent small all-reduces,
    and FSDP-style dim-0 all-gathers and reduce-scatters, merged per group,
    dtype (and reduce op) into one collective each bucket (NOTE [all-reduce
-   bucketing order], NOTE [all-gather / reduce-scatter buckets]).
+   bucketing order], NOTE [all-gather / reduce-scatter buckets]);
+3. :class:`~.subgraph_outputs.SubgraphOutputCopyPass`: an ``invoke_subgraph``
+   body returns no input of its own, so Inductor cannot overwrite a saved
+   activation (NOTE [subgraph outputs that alias inputs]).
 
 Every change goes through ``patches`` so ``dynamo_ext.uninstall()`` undoes it.
 Thresholds and switches live in :mod:`.options` (a torch config module: ``options.patch(...)``).
@@ -29,11 +32,18 @@ def install(patches: Patcher) -> None:
     """
     if not _compat.has_functional_collectives():
         return
-    from . import bucket_op, bucketing, ops, rms_norm_fusion, rms_norm_lowering
+    from . import bucket_op, bucketing, ops, rms_norm_fusion, rms_norm_lowering, subgraph_outputs
     from .registry import append_post_grad_passes, install_lowerings
 
     patches.on_undo(_compat.forget_symm_mem_groups)  # NOTE [symmetric memory route]
     ops.define_ops(patches)
     bucket_op.define(patches)  # NOTE [buckets only where ranks agree]
     install_lowerings(patches, rms_norm_lowering.rules())
-    append_post_grad_passes(patches, [rms_norm_fusion.ResidualRMSNormPass(), bucketing.AllReduceBucketingPass()])
+    append_post_grad_passes(
+        patches,
+        [
+            rms_norm_fusion.ResidualRMSNormPass(),
+            bucketing.AllReduceBucketingPass(),
+            subgraph_outputs.SubgraphOutputCopyPass(),  # NOTE [subgraph outputs that alias inputs]
+        ],
+    )
