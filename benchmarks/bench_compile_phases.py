@@ -1,0 +1,116 @@
+#!/usr/bin/env python3
+"""Where the first step's compile time goes, per phase, as the model grows: plugin vs stock.
+
+One process per (way, layers), a fake 4-rank process group (collectives return
+garbage fast: only compilation is measured, no communication), the bundled Llama
+(``benchmarks/_common.bundled_llama``: TP + FSDP2 on a (2, 2) mesh, or FSDP2 alone
+with ``--fsdp-only``), a fresh ``TORCHINDUCTOR_CACHE_DIR`` (cold caches).  The first
+training step (forward, loss, backward with the eager autograd engine) is timed, and
+torch's own compile-time counters (``torch._dynamo.utils.compile_times``, summed
+over every graph of the step) split it into:
+
+- Dynamo: bytecode tracing (``bytecode_tracing``) and guard building (``build_guards``);
+- AOTAutograd: metadata, joint-graph trace and partition (``aot_collect_metadata``,
+  ``aot_trace_joint_graph``, ``min_cut_rematerialization_partition``);
+- Inductor: ``compile_fx_inner`` of every forward and backward graph (0 with ``aot_eager``).
+
+The last column is the growth per added layer (seconds, from the smallest to the largest
+layer count): what the one-graph design pays per block, where stock per-block compile pays
+about nothing after the first block.
+
+    python benchmarks/bench_compile_phases.py [--layers 2 8] [--backend aot_eager|inductor]
+        [--ways plugin stock per-block] [--fsdp-only]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+WAYS = ("plugin", "stock", "per-block")
+PHASES = {
+    "dynamo": ("bytecode_tracing", "build_guards"),
+    "aot": ("aot_collect_metadata", "aot_trace_joint_graph", "min_cut_rematerialization_partition"),
+    "inductor": ("compile_fx_inner",),
+}
+
+
+def _child(way: str, layers: int, backend: str, fsdp_only: bool) -> dict[str, float]:
+    """Run one first step in this process; return its wall time and phase seconds."""
+    import torch
+    import torch.distributed as dist
+    from _common import bundled_llama, llama_loss
+    from torch._dynamo.utils import compile_times
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    import dynamo_ext
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
+    if way == "plugin":
+        dynamo_ext.install()
+    model, cfg, tokens = bundled_llama(layers, fsdp_only=fsdp_only)
+    if way == "per-block":
+        for block in model.layers:
+            block.compile(backend=backend)
+        run = model
+    else:
+        run = torch.compile(model, backend=backend)
+    t0 = time.perf_counter()
+    llama_loss(run, cfg, tokens).backward()
+    wall = time.perf_counter() - t0
+    headers, values = compile_times(repr="csv", aggregate=True)
+    metrics = {h: float(v) for h, v in zip(headers, values)}
+    out = {"first_step": wall}
+    out.update({phase: sum(metrics.get(k, 0.0) for k in keys) for phase, keys in PHASES.items()})
+    dist.destroy_process_group()
+    return out
+
+
+def _run_child(way: str, layers: int, backend: str, fsdp_only: bool) -> dict[str, float]:
+    with tempfile.TemporaryDirectory(prefix="bench-phases-") as cache:
+        env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache, OMP_NUM_THREADS="1")
+        argv = [sys.executable, __file__, "--child", way, str(layers), backend] + (["--fsdp-only"] if fsdp_only else [])
+        proc = subprocess.run(argv, env=env, capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{way} at {layers} layers failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--layers", type=int, nargs="+", default=[2, 8])
+    p.add_argument("--backend", default="aot_eager", choices=("aot_eager", "inductor"))
+    p.add_argument("--ways", nargs="+", default=list(WAYS), choices=WAYS)
+    p.add_argument("--fsdp-only", action="store_true", help="FSDP2 alone on 4 ranks instead of TP + FSDP2")
+    p.add_argument("--child", nargs=3, metavar=("WAY", "LAYERS", "BACKEND"), help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.child:
+        way, layers, backend = args.child
+        print(json.dumps(_child(way, int(layers), backend, args.fsdp_only)))
+        return 0
+
+    layers = sorted(set(args.layers))
+    print(f"torch compile phases, backend={args.backend}, {'FSDP2' if args.fsdp_only else 'TP + FSDP2'}, "
+          f"fake 4-rank group, cold caches, load {os.getloadavg()[0]:.1f}")
+    cols = ("first_step", *PHASES)
+    print(f"{'way':<10} {'layers':>6} " + " ".join(f"{c + ' (s)':>15}" for c in cols))
+    for way in args.ways:
+        rows = {n: _run_child(way, n, args.backend, args.fsdp_only) for n in layers}
+        for n, r in rows.items():
+            print(f"{way:<10} {n:>6} " + " ".join(f"{r[c]:>15.2f}" for c in cols))
+        if len(layers) > 1:
+            lo, hi = layers[0], layers[-1]
+            per = {c: (rows[hi][c] - rows[lo][c]) / (hi - lo) for c in cols}
+            print(f"{way:<10} {'+1':>6} " + " ".join(f"{per[c]:>15.2f}" for c in cols) + "   (per added layer)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    sys.exit(main())
