@@ -164,6 +164,8 @@ def run_parts_on_ranks(parts: dict[str, Callable[..., Any]], *, nproc: int = 4, 
 
     For a module-scoped fixture that several tests read: the ranks start (spawn, import torch, rendezvous)
     once instead of once per test.  Dynamo is reset before each part, and a part that raises on a rank is
-    recorded (its traceback) and the next part runs.  ``fn`` must be module-level (it is pickled).
+    recorded (its traceback) and the next part runs; where it raised on some ranks only, the others may wait
+    in a collective until the process group's timeout (120 s) and fail later parts too.  ``fn`` must be
+    module-level or a ``functools.partial`` of one (it is pickled).
     """
     return RankParts(run_on_ranks(_run_parts, parts, nproc=nproc, plugin=plugin))
