@@ -96,8 +96,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     layers = sorted(set(args.layers))
-    print(f"torch compile phases, backend={args.backend}, {'FSDP2' if args.fsdp_only else 'TP + FSDP2'}, "
-          f"fake 4-rank group, cold caches, load {os.getloadavg()[0]:.1f}")
+    print(
+        f"torch compile phases, backend={args.backend}, {'FSDP2' if args.fsdp_only else 'TP + FSDP2'}, "
+        f"fake 4-rank group, cold caches, load {os.getloadavg()[0]:.1f}"
+    )
     cols = ("first_step", *PHASES)
     print(f"{'way':<10} {'layers':>6} " + " ".join(f"{c + ' (s)':>15}" for c in cols))
     for way in args.ways:

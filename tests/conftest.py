@@ -1,4 +1,5 @@
-"""Shared fixtures: a fake 4-rank world with the plugin installed, and Dynamo reset around each test."""
+"""Shared fixtures: a fake 4-rank world with the plugin installed, Dynamo reset around each test, and the
+README's main command run once per session."""
 
 from __future__ import annotations
 
@@ -43,3 +44,11 @@ def world():
             yield
         finally:
             dynamo_ext.uninstall()
+
+
+@pytest.fixture(scope="session")
+def readme_main_command_run():
+    """The README's main command, run once per session in a brand-new virtual environment (``readme_run.py``)."""
+    from readme_run import run_readme_main_command
+
+    return run_readme_main_command()

@@ -11,6 +11,7 @@ import datetime
 import os
 import re
 import socket
+import traceback
 import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -119,3 +120,52 @@ def run_on_ranks(fn: Callable[..., Any], *args: Any, nproc: int = 4, plugin: boo
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     out = elastic_launch(config, _rank_entry)(fn, plugin, args)
     return [out[r] for r in range(nproc)]
+
+
+# ---- one launch, several tests ----------------------------------------------------------
+class RankPartError:
+    """A part that raised on one rank: its traceback, as text (it crosses the process boundary)."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+
+def _run_parts(rank: int, world_size: int, parts: dict[str, Callable[..., Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name, fn in parts.items():
+        torch._dynamo.reset()
+        try:
+            out[name] = fn(rank, world_size)
+        except Exception:
+            out[name] = RankPartError(traceback.format_exc())
+    return out
+
+
+class RankParts:
+    """What :func:`run_parts_on_ranks` returns: ``parts[name]`` is that part's results by rank.
+
+    Raises ``AssertionError`` with each failed rank's traceback when the part raised on a rank, so only
+    the tests that read that part fail.
+    """
+
+    def __init__(self, by_rank: list[dict[str, Any]]) -> None:
+        self.by_rank = by_rank
+
+    def __getitem__(self, name: str) -> list[Any]:
+        results = [r[name] for r in self.by_rank]
+        failed = [f"rank {rank}:\n{r.text}" for rank, r in enumerate(results) if isinstance(r, RankPartError)]
+        if failed:
+            raise AssertionError(f"part {name!r} raised on the ranks:\n" + "\n".join(failed))
+        return results
+
+
+def run_parts_on_ranks(parts: dict[str, Callable[..., Any]], *, nproc: int = 4, plugin: bool = True) -> RankParts:
+    """Run each ``fn(rank, world_size)`` of ``parts``, in order, in one launch of ``nproc`` gloo ranks.
+
+    For a module-scoped fixture that several tests read: the ranks start (spawn, import torch, rendezvous)
+    once instead of once per test.  Dynamo is reset before each part, and a part that raises on a rank is
+    recorded (its traceback) and the next part runs; where it raised on some ranks only, the others may wait
+    in a collective until the process group's timeout (120 s) and fail later parts too.  ``fn`` must be
+    module-level or a ``functools.partial`` of one (it is pickled).
+    """
+    return RankParts(run_on_ranks(_run_parts, parts, nproc=nproc, plugin=plugin))

@@ -5,6 +5,7 @@ that requires grad; stock AOTAutograd (2.13) drops the gradient through it when 
 region.  Two checks: the minimal repro (a reduce-scattered partial sum into a compiled function), and
 a torchtitan-shaped model (rowwise embedding to ``Shard(1)``, sequence-parallel blocks compiled one by
 one, FSDP2 over TP) trained 2 AdamW steps, with and without activation checkpointing of each block.
+Both run in one launch of 4 ranks (the ``ranks`` fixture; the model only when its test is selected).
 """
 
 from __future__ import annotations
@@ -14,10 +15,21 @@ from typing import Any
 import pytest
 import torch
 from fsdp_training import Block, diff, grad_records, max_diff
-from helpers import run_on_ranks
+from helpers import run_parts_on_ranks
 from torch import nn
 
 pytestmark = pytest.mark.gloo
+
+
+@pytest.fixture(scope="module")
+def ranks(request):
+    """The repro and, when its (slow) test is selected, the torchtitan-shaped model, in one launch of 4 ranks."""
+    selected = {item.originalname for item in request.session.items if item.module is request.module}
+    parts = {"repro": _repro}
+    if test_per_block_compiled_tp_fsdp_model_matches_eager.__name__ in selected:
+        parts["titan_shaped"] = _titan_shaped
+    return run_parts_on_ranks(parts, nproc=4)
+
 
 BACKENDS = ("aot_eager", "inductor")
 VOCAB, DIM, INNER, BATCH, SEQ = 32, 8, 12, 2, 8
@@ -49,8 +61,8 @@ def _repro(rank: int, world: int) -> dict[str, Any]:
     return out
 
 
-def test_act_input_gradient_matches_eager():
-    for rank, res in enumerate(run_on_ranks(_repro, nproc=2)):
+def test_act_input_gradient_matches_eager(ranks):
+    for rank, res in enumerate(ranks["repro"]):
         eager = res["eager"]
         assert eager["w_grad"] is not None
         for backend in BACKENDS:
@@ -153,8 +165,8 @@ def _titan_shaped(rank: int, world: int) -> dict[str, Any]:
 
 
 @pytest.mark.slow  # one 4-process launch: 6 trainings (2 eager, 4 compiled), about 60 CPU-seconds
-def test_per_block_compiled_tp_fsdp_model_matches_eager():
-    for rank, res in enumerate(run_on_ranks(_titan_shaped, nproc=4)):
+def test_per_block_compiled_tp_fsdp_model_matches_eager(ranks):
+    for rank, res in enumerate(ranks["titan_shaped"]):
         for setting, d in res.items():
             where = f"rank {rank}, {setting}"
             assert d["grad_kinds_match"], f"{where}: gradient types/placements differ: {d['grad_kinds']}"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import re
@@ -287,13 +288,42 @@ def test_unknown_module_and_function():
     assert "has no function 'no_such_function'" in proc.stderr
 
 
+WAITS = TARGETS / "waits_in_compiled.py"
+HANG_TIMEOUT = 30  # long enough for both ranks to start (over 20 s on a loaded 2-core machine) and reach the hang
+
+
+def _rank_failure_run(mode: str, timeout: float, tmp: str) -> tuple[subprocess.CompletedProcess[str], str, Path]:
+    """``dynamo-ext audit`` of misbehaves.py in ``mode``: the process, the JSON's path and the HTML's."""
+    out, html = os.path.join(tmp, "partial.json"), Path(tmp) / "partial.html"
+    proc = cli(
+        *("--nproc", "2", "--quiet", "--timeout", str(timeout), "--json", out, "--html", str(html)),
+        *(str(MISBEHAVES.relative_to(REPO)), "--", mode),
+        timeout=timeout + 60,
+    )
+    return proc, out, html
+
+
+@pytest.fixture(scope="module")
+def hang_runs():
+    """The two runs that wait out their --timeout (a rank hung), started together so the waits overlap:
+    ``{"waits_in_compiled": proc, "hang": (proc, json path, html path)}``."""
+    tmp = tempfile.mkdtemp(prefix="audit-e2e-hang-")
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        waits = pool.submit(
+            cli, *("--nproc", "2", "--quiet", "--timeout", str(HANG_TIMEOUT), str(WAITS.relative_to(REPO))), timeout=300
+        )
+        hang = pool.submit(_rank_failure_run, "hang", HANG_TIMEOUT, tmp)
+        yield {"waits_in_compiled": waits.result(), "hang": hang.result()}
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
 @pytest.mark.gloo
-def test_a_rank_waiting_in_a_compiled_collective_is_placed_at_the_collective():
+def test_a_rank_waiting_in_a_compiled_collective_is_placed_at_the_collective(hang_runs):
     """NOTE [where each rank waits]: rank 0 blocks in a compiled all-reduce after a graph break, rank 1 sleeps
     before it; the report names rank 0's collective, its stream position and line (not the resumed function's
     print line), and rank 1 as behind on the group."""
-    target = TARGETS / "waits_in_compiled.py"
-    proc = cli(*("--nproc", "2", "--quiet", "--timeout", "30", str(target.relative_to(REPO))), timeout=300)
+    target = WAITS
+    proc = hang_runs["waits_in_compiled"]
     assert proc.returncode == 2, proc.stderr
     line = proc.stderr.strip().splitlines()[0].split("; rank logs")[0]
     sleep, all_reduce = marker_line(target, "SLEEP_LINE"), marker_line(target, "ALL_REDUCE_LINE")
@@ -316,20 +346,17 @@ def test_a_rank_waiting_in_a_compiled_collective_is_placed_at_the_collective():
         # 20 s to start two ranks); hang waits for it, long enough for both ranks to reach the print break.
         ("raise", "error", "rank 1 raised ValueError: rank 1 refuses (at tests/audit_targets/misbehaves.py:", 240),
         ("kill", "died", "rank 1 ended without finishing (exit code -9 (signal 9))", 240),
-        ("hang", "timeout", "timeout: after 30 s: rank 1 hung at tests/audit_targets/misbehaves.py:", 30),
+        ("hang", "timeout", "timeout: after 30 s: rank 1 hung at tests/audit_targets/misbehaves.py:", HANG_TIMEOUT),
     ],
 )
-def test_rank_failures(mode, status, message, timeout):
+def test_rank_failures(mode, status, message, timeout, request):
     """A rank that raised, was killed or hung: exit 2 naming it, and the partial JSON and HTML are written
     (``audit merge`` exits 1 for the same ranks: test_audit_multinode.py)."""
     with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "partial.json")
-        html = Path(tmp) / "partial.html"
-        proc = cli(
-            *("--nproc", "2", "--quiet", "--timeout", str(timeout), "--json", out, "--html", str(html)),
-            *(str(MISBEHAVES.relative_to(REPO)), "--", mode),
-            timeout=timeout + 60,
-        )
+        if mode == "hang":  # run beside the other hang (the hang_runs fixture)
+            proc, out, html = request.getfixturevalue("hang_runs")["hang"]
+        else:
+            proc, out, html = _rank_failure_run(mode, timeout, tmp)
         assert proc.returncode == 2, proc.stderr
         lines = proc.stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("dynamo-ext audit: error: " + message), lines

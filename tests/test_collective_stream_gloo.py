@@ -7,10 +7,12 @@ merges only what every rank agrees on); divergent programs whose graphs look
 alike (an agreed graph run on rank 0 only; two different lines issuing
 all-reduces of equal shape) raise ``CollectiveMismatchError`` on every rank
 within the check's timeout instead of hanging or pairing the wrong collectives.
+One launch of 2 ranks runs every case with both backends (the ``launch`` fixture).
 """
 
 from __future__ import annotations
 
+import functools
 import re
 import time
 
@@ -18,7 +20,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
-from helpers import run_on_ranks
+from helpers import run_parts_on_ranks
 
 pytestmark = pytest.mark.gloo
 
@@ -160,9 +162,18 @@ def _rank(rank: int, world: int, backend: str) -> dict:
     return out
 
 
-@pytest.fixture(scope="module", params=["aot_eager", "inductor"])
-def results(request):
-    return request.param, run_on_ranks(_rank, request.param, nproc=WORLD)
+BACKENDS = ("aot_eager", "inductor")
+
+
+@pytest.fixture(scope="module")
+def launch():
+    """Every case with each backend, in one launch of 2 ranks (each backend's part ends on agreed streams)."""
+    return run_parts_on_ranks({b: functools.partial(_rank, backend=b) for b in BACKENDS}, nproc=WORLD)
+
+
+@pytest.fixture(scope="module", params=BACKENDS)
+def results(request, launch):
+    return request.param, launch[request.param]
 
 
 def test_rank_dependent_graph_break_runs_with_eager_values(results):

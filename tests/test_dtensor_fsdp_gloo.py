@@ -1,12 +1,22 @@
-"""Real collectives on 4 gloo ranks: FSDP2 forward state after compiled calls, DTensor creation inside."""
+"""Real collectives on 4 gloo ranks: FSDP2 forward state after compiled calls, DTensor creation inside.
+
+One launch of 4 ranks serves both tests (the ``ranks`` fixture).
+"""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from helpers import run_on_ranks
+from helpers import run_parts_on_ranks
 
 pytestmark = pytest.mark.gloo
+
+
+@pytest.fixture(scope="module")
+def ranks():
+    """Every rank function of this file, in one launch of 4 ranks."""
+    parts = {"fsdp_state": _fsdp_state_after_compiled_forward, "dtensor_inside": _dtensor_inside}
+    return run_parts_on_ranks(parts, nproc=4)
 
 
 def _fsdp_state_after_compiled_forward(rank: int, world: int) -> dict:
@@ -46,8 +56,8 @@ def _fsdp_state_after_compiled_forward(rank: int, world: int) -> dict:
     }
 
 
-def test_fsdp2_forward_compiled_is_one_graph_and_leaves_fsdp_state_intact():
-    results = run_on_ranks(_fsdp_state_after_compiled_forward, nproc=4)
+def test_fsdp2_forward_compiled_is_one_graph_and_leaves_fsdp_state_intact(ranks):
+    results = ranks["fsdp_state"]
     for r in results:
         assert r["match"] == [True] * 4
         assert r["params_sharded"]  # sharded parameters are back on the modules
@@ -75,6 +85,6 @@ def _dtensor_inside(rank: int, world: int) -> list[bool]:
     return [bool(torch.equal(e, c)) for e, c in zip(eager, compiled)]
 
 
-def test_distribute_tensor_inside_matches_eager():
-    for r in run_on_ranks(_dtensor_inside, nproc=4):
+def test_distribute_tensor_inside_matches_eager(ranks):
+    for r in ranks["dtensor_inside"]:
         assert r == [True] * 4

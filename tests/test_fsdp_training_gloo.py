@@ -5,29 +5,35 @@ and compiled, with the forward compiled (``fullgraph=True``) and the backward
 either run by the eager autograd engine or traced by compiled autograd, and
 compares the losses, the gradients (type, placements, local shard) and the
 parameters after each step.
+
+One launch of 4 ranks serves every test of the file (the ``ranks`` fixture).
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import pytest
 import torch
 from fsdp_training import batch, build, diff, saved_bytes, train
-from helpers import CountingBackend, run_on_ranks
+from helpers import CountingBackend, run_parts_on_ranks
 
 pytestmark = pytest.mark.gloo
 
 BF16_FP32 = (torch.bfloat16, torch.float32)
 # name -> build/train keyword arguments; all traced into one forward graph.
+# NOTE [one configuration per code path]: no configuration is the plain nested model (every block and the
+# root sharded, reshard_after_forward=True, one backward per step): that program, from the same seed and
+# batch, is "accumulate"'s first micro-batch (its loss compared, its gradients inside the accumulated ones,
+# and the same forward and first backward graphs); force_sum alone is in "divide_factor" (the same SUM
+# reduce-scatter and post-division, by the factor instead of the world size).
 TRACED = {
     "root_only": {"nested": False},
-    "nested": {},
     "reshard_false": {"reshard": False},
     "reshard_int": {"reshard": 2},
     "mixed_precision": {"mp": BF16_FP32},
     "tied": {"tied": True},
-    "force_sum": {"force_sum": True},
     # gloo has no PREMUL_SUM, which FSDP2 picks for a factor alone: with force_sum, a post-division
     "divide_factor": {"divide_factor": 2.0, "force_sum": True},
     "accumulate": {"accumulate": 2},
@@ -44,7 +50,6 @@ TRACED = {
 # Compiled autograd on the configurations whose backward differs most (keeps the file's runtime down).
 UNDER_COMPILED_AUTOGRAD = (
     "root_only",
-    "nested",
     "reshard_false",
     "mixed_precision",
     "accumulate",
@@ -124,11 +129,11 @@ def _compare(rank: int, world: int, configs: dict[str, dict[str, Any]], compiled
 
 
 @pytest.mark.parametrize("compiled_autograd", [False, True], ids=["eager_backward", "compiled_autograd"])
-def test_fsdp2_training_matches_eager(compiled_autograd):
+def test_fsdp2_training_matches_eager(ranks, compiled_autograd):
     # Every shard here is uneven (10 and 6 rows over 4 ranks): on torch 2.11 this checks the sharded
     # .grad of NOTE [compiled autograd: DTensor .grad of an uneven shard] (variables/autograd/accumulate_grad.py).
-    configs = {k: v for k, v in TRACED.items() if not compiled_autograd or k in UNDER_COMPILED_AUTOGRAD}
-    results = run_on_ranks(_compare, configs, compiled_autograd, nproc=4)
+    results = ranks["compiled_autograd" if compiled_autograd else "eager_backward"]
+    assert all(r.keys() == _configs(compiled_autograd).keys() for r in results), results
 
     for rank, per_config in enumerate(results):
         for name, r in per_config.items():
@@ -191,8 +196,8 @@ def _untraced(rank: int, world: int) -> dict[str, Any]:
     return out
 
 
-def test_untraced_fsdp2_settings_run_fsdp2_hooks_eagerly_or_refuse_compiled_autograd():
-    for rank, r in enumerate(run_on_ranks(_untraced, nproc=4)):
+def test_untraced_fsdp2_settings_run_fsdp2_hooks_eagerly_or_refuse_compiled_autograd(ranks):
+    for rank, r in enumerate(ranks["untraced"]):
         for name in UNTRACED:
             run = r[name]
             assert run["grads"] <= FP32_TOL and run["params"] <= FP32_TOL, (rank, name, run)
@@ -213,9 +218,25 @@ def _saved(rank: int, world: int) -> dict[str, Any]:
     return out
 
 
-def test_saved_for_backward_matches_eager_fsdp2_memory():
-    for rank, r in enumerate(run_on_ranks(_saved, nproc=4)):
+def test_saved_for_backward_matches_eager_fsdp2_memory(ranks):
+    for rank, r in enumerate(ranks["saved"]):
         # reshard_after_forward=True: the all-gather is recomputed, the unsharded parameters are not saved
         assert r[(True, "plugin")] <= 1.10 * r[(True, "eager")], (rank, r)
         assert r[(False, "plugin")] <= 1.10 * r[(False, "eager")], (rank, r)
         assert r[(True, "eager")] < r[(False, "eager")], (rank, r)  # the measure sees the unsharded parameters
+
+
+def _configs(compiled_autograd: bool) -> dict[str, dict[str, Any]]:
+    return {k: v for k, v in TRACED.items() if not compiled_autograd or k in UNDER_COMPILED_AUTOGRAD}
+
+
+@pytest.fixture(scope="module")
+def ranks():
+    """Every rank function of this file, in one launch of 4 ranks."""
+    parts = {
+        "eager_backward": functools.partial(_compare, configs=_configs(False), compiled_autograd=False),
+        "compiled_autograd": functools.partial(_compare, configs=_configs(True), compiled_autograd=True),
+        "untraced": _untraced,
+        "saved": _saved,
+    }
+    return run_parts_on_ranks(parts, nproc=4)

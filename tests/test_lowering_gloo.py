@@ -1,7 +1,8 @@
 """Both fusions on 4 real gloo ranks, compiled with ``backend="inductor"`` (CPU C++ codegen) vs eager.
 
-Each test is one launch of 4 processes; the rank functions return what they
-measured and the assertions run here, so a failure names the rank.
+One launch of 4 processes serves every test (the ``ranks`` fixture); the rank
+functions return what they measured and the assertions run here, so a failure
+names the rank.
 """
 
 from __future__ import annotations
@@ -11,9 +12,9 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import run_on_ranks
+from helpers import run_parts_on_ranks
 
-pytestmark = [pytest.mark.gloo, pytest.mark.slow]  # one 4-process launch each, 30-40 s
+pytestmark = [pytest.mark.gloo, pytest.mark.slow]  # one 4-process launch for the file, about 40 CPU-seconds
 
 HIDDEN, FFN, TOKENS = 64, 128, 24
 
@@ -82,8 +83,8 @@ def _tp_block_rank(rank: int, world_size: int) -> dict[str, Any]:
     return out
 
 
-def test_tp_block_matches_eager_and_fuses_the_epilogue_on_4_ranks():
-    results = run_on_ranks(_tp_block_rank, nproc=4)
+def test_tp_block_matches_eager_and_fuses_the_epilogue_on_4_ranks(ranks):
+    results = ranks["tp_block"]
     for rank, res in enumerate(results):
         f32, bf16 = res["float32"], res["bfloat16"]
         assert f32["max_err_vs_eager"] <= 1e-5, f"rank {rank}: fp32 compiled vs eager {f32['max_err_vs_eager']}"
@@ -130,8 +131,8 @@ def _bucketing_rank(rank: int, world_size: int) -> dict[str, Any]:
     return out
 
 
-def test_32_gradient_all_reduces_bucket_into_one_on_4_ranks():
-    results = run_on_ranks(_bucketing_rank, nproc=4)
+def test_32_gradient_all_reduces_bucket_into_one_on_4_ranks(ranks):
+    results = ranks["bucketing"]
     for rank, res in enumerate(results):
         assert res["exact"]["all_reduce_calls"] <= 2, f"rank {rank}: {res['exact']}"
         assert res["exact"]["bitwise_equal"], f"rank {rank}: bucketed results differ from eager: {res['exact']}"
@@ -182,8 +183,15 @@ def _fsdp_bucketing_rank(rank: int, world_size: int) -> dict[str, Any]:
     }
 
 
-def test_fsdp_all_gathers_and_reduce_scatters_bucket_on_4_ranks():
-    results = run_on_ranks(_fsdp_bucketing_rank, nproc=4)
+def test_fsdp_all_gathers_and_reduce_scatters_bucket_on_4_ranks(ranks):
+    results = ranks["fsdp_bucketing"]
     for rank, res in enumerate(results):
         assert res["all_gather_calls"] <= 2 and res["reduce_scatter_calls"] <= 2, f"rank {rank}: {res}"
         assert res["shapes_match"] and res["bitwise_equal"], f"rank {rank}: bucketed results differ from eager: {res}"
+
+
+@pytest.fixture(scope="module")
+def ranks():
+    """Every rank function of this file, in one launch of 4 ranks."""
+    parts = {"tp_block": _tp_block_rank, "bucketing": _bucketing_rank, "fsdp_bucketing": _fsdp_bucketing_rank}
+    return run_parts_on_ranks(parts, nproc=4)

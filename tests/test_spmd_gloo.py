@@ -6,13 +6,15 @@ coordinate ``(r // 2, r % 2)``.  torch_xla's ``mark_sharding`` docs: spec entry
 ``None`` keeps the dim whole, a tuple shards the dim over several axes with
 the first one major, and each device holds the tile of its coordinate (tiles
 of ``ceil(size / n)``, the last ones short or empty when uneven).
+
+One launch of 4 ranks serves both tests (the ``ranks`` fixture).
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-from helpers import run_on_ranks
+from helpers import run_parts_on_ranks
 
 pytestmark = pytest.mark.gloo
 
@@ -201,8 +203,8 @@ def _shards(rank: int, world: int) -> dict:
     return out
 
 
-def test_local_shards_match_torch_xla_layout_eager_and_compiled():
-    results = run_on_ranks(_shards, nproc=4)
+def test_local_shards_match_torch_xla_layout_eager_and_compiled(ranks):
+    results = ranks["shards"]
     for rank, r in enumerate(results):
         for spec, eager, first, second in r["table"]:
             assert (eager, first, second) == (True, True, True), (rank, spec)
@@ -290,8 +292,8 @@ def _train(rank: int, world: int) -> dict:
     return out
 
 
-def test_training_step_matches_one_device_eager_and_compiled():
-    for r in run_on_ranks(_train, nproc=4):
+def test_training_step_matches_one_device_eager_and_compiled(ranks):
+    for r in ranks["train"]:
         for run in ("eager", "compiled"):
             assert r[run] == {"loss": True, "grad_types": ["Tensor"], "grads": True, "params": True}, run
             # parameters sharded with mark_sharding: DTensor gradients, the same numbers
@@ -303,3 +305,9 @@ def test_training_step_matches_one_device_eager_and_compiled():
             }
         assert r["placements_after_steps"] == (("R", "S(1)"), ("R", "S(0)"))  # the optimizer keeps the layout
         assert r["frames"] == 2  # one graph for plain parameters, one for DTensor parameters; three steps each
+
+
+@pytest.fixture(scope="module")
+def ranks():
+    """Both rank functions of this file, in one launch of 4 ranks."""
+    return run_parts_on_ranks({"shards": _shards, "train": _train}, nproc=4)
