@@ -36,6 +36,7 @@ def checked_runs(world, monkeypatch, tmp_path):
 
     monkeypatch.setattr(stream, "agree", agree)
     monkeypatch.setattr(_compat, "group_is_fake", lambda name: False)  # as if the peers were real
+    _restart()  # the cache counters and Dynamo's state start empty, whatever ran before in this process
     with (
         fresh_cache(dir=str(tmp_path)),
         torch._functorch.config.patch(enable_autograd_cache=True),
