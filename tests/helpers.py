@@ -77,6 +77,37 @@ class CountingBackend:
 
 
 # ---- several processes: gloo on loopback ---------------------------------------
+def assert_sgd_steps_match_eager(
+    compiled: Callable[[torch.Tensor], torch.Tensor],
+    net: torch.nn.Module,
+    ref: torch.nn.Module,
+    inputs: list[torch.Tensor],
+    *,
+    lr: float = 0.1,
+    rtol: float = 1e-5,
+    atol: float = 1e-6,
+) -> None:
+    """One plain SGD step per input on ``net`` (called through ``compiled``) and on its eager copy ``ref``.
+
+    Asserts the loss (mean of squares of the output) and every parameter's gradient at each step, and the
+    parameters after the last, equal within ``rtol`` / ``atol``; a gradient's message names its parameter.
+    """
+    for x in inputs:
+        loss, ref_loss = compiled(x).pow(2).mean(), ref(x).pow(2).mean()
+        loss.backward()
+        ref_loss.backward()
+        torch.testing.assert_close(loss, ref_loss, rtol=rtol, atol=atol)
+        for (name, p), q in zip(net.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=rtol, atol=atol, msg=lambda m, n=name: f"{n}: {m}")
+        with torch.no_grad():
+            for p, q in zip(net.parameters(), ref.parameters()):
+                p -= lr * p.grad
+                q -= lr * q.grad
+                p.grad = q.grad = None
+    for p, q in zip(net.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=rtol, atol=atol)
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago (for a rendezvous endpoint)."""
     with socket.socket() as s:

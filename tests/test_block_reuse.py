@@ -8,7 +8,7 @@ from collections import Counter
 import pytest
 import torch
 from fsdp_training import batch, build
-from helpers import CountingBackend
+from helpers import CountingBackend, assert_sgd_steps_match_eager
 
 import dynamo_ext
 from dynamo_ext import _compat, block_reuse
@@ -108,14 +108,5 @@ def test_inductor_gradients_with_reused_blocks_match_eager(plugin, tmp_path, mon
     ref = copy.deepcopy(net)
     with dynamo_ext.config.patch(block_reuse=True):
         model = torch.compile(net, backend="inductor", fullgraph=True)
-        for step in range(2):
-            x = torch.randn(4, 10, generator=torch.Generator().manual_seed(step))
-            model(x).pow(2).mean().backward()
-            ref(x).pow(2).mean().backward()
-            for (name, p), q in zip(net.named_parameters(), ref.parameters()):
-                torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
-            with torch.no_grad():
-                for p, q in zip(net.parameters(), ref.parameters()):
-                    p -= 0.1 * p.grad
-                    q -= 0.1 * q.grad
-                    p.grad = q.grad = None
+        inputs = [torch.randn(4, 10, generator=torch.Generator().manual_seed(step)) for step in range(2)]
+        assert_sgd_steps_match_eager(model, net, ref, inputs)

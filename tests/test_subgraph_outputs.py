@@ -11,6 +11,7 @@ import copy
 
 import pytest
 import torch
+from helpers import assert_sgd_steps_match_eager
 from torch import nn
 
 from dynamo_ext import _compat
@@ -66,21 +67,8 @@ def test_inductor_gradients_of_regional_compilation_match_eager(plugin, regions,
     dedup = regions == "graph_deduplication"
     with torch._dynamo.config.patch(use_graph_deduplication=dedup, track_nodes_for_deduplication=dedup):
         model = torch.compile(net, backend="inductor", fullgraph=True)
-        for step in range(2):
-            x = torch.randn(BATCH, HIDDEN, generator=torch.Generator().manual_seed(step))
-            loss, ref_loss = model(x).pow(2).mean(), ref(x).pow(2).mean()
-            loss.backward()
-            ref_loss.backward()
-            torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
-            for (name, p), q in zip(net.named_parameters(), ref.parameters()):
-                torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
-            with torch.no_grad():
-                for p, q in zip(net.parameters(), ref.parameters()):
-                    p -= 0.1 * p.grad
-                    q -= 0.1 * q.grad
-                    p.grad = q.grad = None
-    for p, q in zip(net.parameters(), ref.parameters()):
-        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+        inputs = [torch.randn(BATCH, HIDDEN, generator=torch.Generator().manual_seed(step)) for step in range(2)]
+        assert_sgd_steps_match_eager(model, net, ref, inputs)
 
 
 def test_subgraph_outputs_that_alias_inputs_become_copies():
