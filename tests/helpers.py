@@ -108,6 +108,20 @@ def assert_sgd_steps_match_eager(
         torch.testing.assert_close(p, q, rtol=rtol, atol=atol)
 
 
+def env_tool(name: str) -> str | None:
+    """The console script ``name`` installed beside the running interpreter (the ``[test]`` extra's ``ruff``,
+    ``pyright``), else the one on ``PATH``, else None: a suite run with an unactivated venv finds its own tools."""
+    import shutil
+    import sys
+    from pathlib import Path
+
+    scripts = Path(sys.executable).parent
+    for candidate in (name, f"{name}.exe"):
+        if (scripts / candidate).is_file():
+            return str(scripts / candidate)
+    return shutil.which(name)
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago (for a rendezvous endpoint)."""
     with socket.socket() as s:

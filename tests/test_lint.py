@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
+from helpers import env_tool
 
 ROOT = Path(__file__).resolve().parents[1]
 PATHS = ["dynamo_ext", "tests", "benchmarks", "examples"]
@@ -14,7 +14,7 @@ PATHS = ["dynamo_ext", "tests", "benchmarks", "examples"]
 
 @pytest.mark.parametrize("args", [["check"], ["format", "--check"]], ids=["check", "format"])
 def test_ruff(args):
-    ruff = shutil.which("ruff")
+    ruff = env_tool("ruff")
     if ruff is None:
         pytest.skip("ruff is not installed (pip install -e '.[test]')")
     proc = subprocess.run([ruff, *args, *PATHS], cwd=ROOT, capture_output=True, text=True)
