@@ -20,7 +20,10 @@ Ways:
 - ``per-block``: stock ``torch.compile`` on each block (torchtitan's way; FSDP2's hooks
   stay eager around the compiled blocks): the reference of the ratios;
 - ``plugin``: ``dynamo_ext.install()``, ``torch.compile(model)``: one graph;
-- ``plugin+reuse``: the same with ``dynamo_ext.config.block_reuse`` on (docs/compile_time.md).
+- ``plugin+reuse``: the same with ``dynamo_ext.config.block_reuse`` on (docs/compile_time.md);
+- ``plugin-per-block``: ``dynamo_ext.install()``, then ``torch.compile`` on each block as ``per-block``:
+  a graph per block (the plugin's lowerings and collective check on TP's collectives), FSDP2's
+  hooks eager between them (docs/compile_time.md, "Deep models today").
 
 Backwards: ``eager`` (the autograd engine) and ``CA`` (compiled autograd).  ``CA``
 runs for ``plugin`` only: stock torch under compiled autograd leaves FSDP2's gradients
@@ -45,7 +48,7 @@ from typing import Any
 
 from _common import bundled_llama, cold_and_warm, launch_on_ranks, llama_loss, max_over_ranks
 
-WAYS = ("stock", "per-block", "plugin", "plugin+reuse")
+WAYS = ("stock", "per-block", "plugin", "plugin+reuse", "plugin-per-block")
 BACKWARDS = ("eager", "CA")
 REFERENCE = "per-block"
 
@@ -66,7 +69,7 @@ def _rank_main(layers: int, way: str, backward: str, steps: int, backend: str, f
         dynamo_ext.config.block_reuse = way == "plugin+reuse"
         model, cfg, tokens = bundled_llama(layers, fsdp_only=fsdp_only)
         optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        if way == "per-block":
+        if way.endswith("per-block"):
             for block in model.layers:  # FSDP2's hooks stay outside, as torchtitan's compile-then-shard order gives
                 block.forward = torch.compile(block.forward, backend=backend)
             compiled = model
@@ -109,7 +112,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         description="Time to the first training step (compile included) and steady step time of the bundled "
         "Llama on gloo ranks, cold and warm caches: stock torch.compile, stock per-block compile, the plugin, "
-        "the plugin with block reuse.",
+        "the plugin with block reuse, the plugin with per-block compile.",
         epilog="Ratios are to per-block with the eager backward at the same number of layers. CA (compiled "
         "autograd) runs for the plugin only: stock leaves FSDP2's gradients unreduced under it and block reuse "
         "refuses it.",
