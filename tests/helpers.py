@@ -76,6 +76,27 @@ class CountingBackend:
         return len(self.graphs)
 
 
+def op_calls(graphs: list[torch.fx.GraphModule], name: str) -> int:
+    """How many ops whose target's name holds ``name`` running ``graphs`` calls.
+
+    A higher-order op's body (activation checkpoint, ``autograd.Function``) counts once per
+    call of it, as it runs: identical FSDP2 gathers call one shared body
+    (NOTE [FSDP2 gathers traced once]).
+    """
+
+    def count(gm: torch.fx.GraphModule) -> int:
+        total = 0
+        for node in gm.graph.nodes:
+            total += node.op == "call_function" and name in str(node.target)
+            for arg in node.args if node.op == "call_function" else ():
+                if isinstance(arg, torch.fx.Node) and arg.op == "get_attr":
+                    body = getattr(gm, str(arg.target), None)
+                    total += count(body) if isinstance(body, torch.fx.GraphModule) else 0
+        return total
+
+    return sum(count(gm) for gm in graphs)
+
+
 # ---- several processes: gloo on loopback ---------------------------------------
 def assert_sgd_steps_match_eager(
     compiled: Callable[[torch.Tensor], torch.Tensor],

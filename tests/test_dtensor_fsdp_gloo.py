@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import run_parts_on_ranks
+from helpers import op_calls, run_parts_on_ranks
 
 pytestmark = pytest.mark.gloo
 
@@ -46,13 +46,7 @@ def _fsdp_state_after_compiled_forward(rank: int, world: int) -> dict:
         "param_shapes": [tuple(p.to_local().shape) for p in net.parameters()],
         "frames": len(frames),
         # the gathers sit in subgraphs (activation checkpoint, autograd.Function forward)
-        "all_gathers": sum(
-            "all_gather" in str(n.target)
-            for gm in frames
-            for sub in gm.modules()
-            if isinstance(sub, torch.fx.GraphModule)
-            for n in sub.graph.nodes
-        ),
+        "all_gathers": op_calls(frames, "all_gather"),
     }
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import CountingBackend
+from helpers import CountingBackend, op_calls
 from torch import nn
 
 from dynamo_ext import _compat, graph_breaks
@@ -48,13 +48,7 @@ def _sharded() -> _Head:
 
 
 def _gathers(backend: CountingBackend) -> int:
-    return sum(
-        "all_gather" in str(n.target)
-        for gm in backend.graphs
-        for sub in gm.modules()
-        if isinstance(sub, torch.fx.GraphModule)
-        for n in sub.graph.nodes
-    )
+    return op_calls(backend.graphs, "all_gather")
 
 
 def _left_sharded(net: _Head) -> None:

@@ -7,6 +7,7 @@ imports ``torch._dynamo`` (our trackers subclass its classes at import).
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import inspect
 import threading
@@ -68,6 +69,19 @@ def user_function_variable(fn: Any, **kwargs: Any) -> Any:
 def wrap_fx_proxy(tx: Any, proxy: Any) -> Any:
     """A tracker for the result of a graph node (``torch._dynamo.variables.builder.wrap_fx_proxy``)."""
     return _builder.wrap_fx_proxy(tx, proxy)
+
+
+def get_fake_value(node: Any, tx: Any) -> Any:
+    """The fake value of graph node ``node``, computed by running it on its inputs' fake values.
+
+    Run as Dynamo runs its own (``wrap_fx_proxy``): with the user's saved-tensor hooks deferred
+    to run time, so a pack hook never sees the fake tensors a higher-order op saves while it runs.
+    """
+    from torch._dynamo import utils
+
+    deferred = getattr(utils, "_disable_saved_tensors_hooks_during_tracing", None)
+    with deferred() if deferred is not None else contextlib.nullcontext():
+        return utils.get_fake_value(node, tx)
 
 
 def backward_hook_variable_class() -> Any:

@@ -37,7 +37,7 @@ from ... import _compat, graph_breaks
 from ...guards.spec import GuardSpec, install_spec_guard
 from ..base import wrap_constant
 from ..functions import register_handler, register_polyfill
-from . import reduce, sources
+from . import gather_stamps, reduce, sources
 
 log = logging.getLogger(__name__)
 # FSDP2's TrainingState.FORWARD: a state whose forward FSDP2's eager hooks are running.
@@ -62,7 +62,7 @@ def _gather_handler(tx: Any, args: list[Any], kwargs: dict[str, Any]) -> Any:
     except (NotImplementedError, ValueError) as e:  # a release or reduce op we do not mirror
         graph_breaks.graph_break(graph_breaks.FSDP_UNTRACED, f"FSDP2 gradient reduction: {e}")
     log.debug("FSDP2 %s: gradient reduction %s", fsdp_param._module_info.param_name, reduction)
-    const = [wrap_constant(tx, getattr(reduction, f.name)) for f in dataclasses.fields(reduction)]
+    fields = tuple(getattr(reduction, f.name) for f in dataclasses.fields(reduction))
     # NOTE [FSDP2 memory: re-gather in backward]: with reshard_after_forward (True or an
     # int) eager FSDP2 frees the unsharded parameter after forward and all-gathers it
     # again in backward.  The gather is traced inside an activation checkpoint, so
@@ -75,8 +75,11 @@ def _gather_handler(tx: Any, args: list[Any], kwargs: dict[str, Any]) -> Any:
     impl = recomputed if param_group.post_forward_mesh_info is not None else _gather_impl
     if impl is _gather_recomputed_by_policy:
         log.debug("FSDP2 %s: re-gather checkpointed with a recompute-all policy", fsdp_param._module_info.param_name)
-    rows = wrap_constant(tx, fsdp_param.padded_sharded_param_size[0])
-    return _compat.user_function_variable(impl).call_function(tx, [args[2], rows, *const], {})
+    rows = fsdp_param.padded_sharded_param_size[0]
+    # NOTE [FSDP2 gathers traced once]: identical parameters share one traced call.
+    key = gather_stamps.signature(impl, args[2], (rows, *fields))
+    constants = [wrap_constant(tx, v) for v in (rows, *fields)]
+    return gather_stamps.call(tx, impl, args[2], constants, key)
 
 
 def _gather_impl(local: Any, padded_rows: int, *fields: Any) -> Any:

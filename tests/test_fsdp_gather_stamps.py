@@ -1,0 +1,153 @@
+"""FSDP2 gathers traced once per signature (NOTE [FSDP2 gathers traced once]) on the fake process group.
+
+Stamping must not change what AOTAutograd sees: the forward and backward graphs are compared
+node for node with every gather traced.  Numerics against eager FSDP2 on gloo ranks:
+``test_fsdp_training_gloo.py`` (every configuration goes through the stamped path).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from typing import Any
+
+import pytest
+import torch
+from fsdp_training import batch, build
+from torch._functorch.aot_autograd import aot_module_simplified
+from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+from dynamo_ext.variables.fsdp import gather_stamps
+
+
+class _AotCodes:
+    """A backend keeping Dynamo's graph and the code of AOTAutograd's forward and backward graphs.
+
+    Partitioned as ``aot_eager`` and ``inductor`` do (min-cut, honouring the checkpoint's recompute tags),
+    so what the forward saves for backward is part of the code compared.
+    """
+
+    def __init__(self) -> None:
+        self.dynamo: list[torch.fx.GraphModule] = []
+        self.codes: list[str] = []
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
+        self.dynamo.append(gm)
+
+        def keep(g: torch.fx.GraphModule, _inputs: Any) -> Any:
+            self.codes.append(g.code)
+            return g
+
+        return aot_module_simplified(
+            gm, example_inputs, fw_compiler=keep, bw_compiler=keep, partition_fn=min_cut_rematerialization_partition
+        )
+
+
+def _step(model: torch.nn.Module, inputs: Any, *, stamped: bool, monkeypatch: pytest.MonkeyPatch) -> _AotCodes:
+    torch._dynamo.reset()
+    with monkeypatch.context() as m:
+        if not stamped:
+            m.setattr(gather_stamps, "signature", lambda *args: None)
+        backend = _AotCodes()
+        out = torch.compile(model, backend=backend, fullgraph=True)(inputs)
+        out.float().sum().backward()
+    assert len(backend.dynamo) == 1 and len(backend.codes) == 2, (len(backend.dynamo), len(backend.codes))
+    return backend
+
+
+def _hop_bodies(gm: torch.fx.GraphModule) -> Counter[str]:
+    """How many higher-order-op calls read each body submodule of ``gm``."""
+    uses: Counter[str] = Counter()
+    for node in gm.graph.nodes:
+        if node.op == "get_attr" and isinstance(getattr(gm, str(node.target), None), torch.fx.GraphModule):
+            uses[str(node.target)] += len(node.users)
+    return uses
+
+
+@pytest.mark.parametrize("reshard", [True, False], ids=["regather_in_backward", "keep_unsharded"])
+def test_identical_parameters_share_one_traced_gather_and_aot_graphs_are_unchanged(world, monkeypatch, reshard):
+    # Three identical blocks (inner width 6: uneven shards, FSDP pads) and a different fourth.
+    net = build(4, inners=(6, 6, 6, 8), reshard=reshard)
+    x = batch(0, 0)
+    stamped = _step(net, x, stamped=True, monkeypatch=monkeypatch)
+    traced = _step(net, x, stamped=False, monkeypatch=monkeypatch)
+    assert stamped.codes == traced.codes  # AOTAutograd's forward and backward, node for node
+    # Traced each time, every gather has its own bodies; stamped, identical parameters call the same ones.
+    assert max(_hop_bodies(traced.dynamo[0]).values()) == 1
+    shared = _hop_bodies(stamped.dynamo[0])
+    assert max(shared.values()) >= 3, shared  # e.g. blocks 0-2's up.weight
+    assert len(shared) < len(_hop_bodies(traced.dynamo[0])), shared
+
+
+def test_fsdp_over_tp_llama_aot_graphs_are_unchanged(world, monkeypatch):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from dynamo_ext.audit.targets import example_llama as ex
+
+    cfg = ex.Config(n_layers=2)
+    torch.manual_seed(0)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    model = ex.parallelize(ex.Decoder(cfg), mesh)
+    tokens = torch.randint(0, cfg.vocab, (cfg.batch, cfg.seq))
+    stamped = _step(model, tokens, stamped=True, monkeypatch=monkeypatch)
+    traced = _step(model, tokens, stamped=False, monkeypatch=monkeypatch)
+    assert stamped.codes == traced.codes
+    assert max(_hop_bodies(stamped.dynamo[0]).values()) >= 2
+
+
+class _Tracked:
+    """Stands for a tensor's tracker: ``as_proxy().node``."""
+
+    def __init__(self, node: torch.fx.Node) -> None:
+        self.node = node
+
+    def as_proxy(self) -> Any:
+        return self
+
+
+def test_a_call_reading_a_value_from_before_it_is_not_recorded(caplog):
+    graph = torch.fx.Graph()
+    local, other = graph.placeholder("local"), graph.placeholder("other")
+    first = graph.call_function(torch.add, (local, 1))
+    mixed = graph.call_function(torch.mul, (first, other))
+    with caplog.at_level(logging.DEBUG, logger=gather_stamps.__name__):
+        assert gather_stamps._checked((first, mixed), _Tracked(local), _Tracked(mixed), lifted=False) is None
+        assert gather_stamps._checked((first,), _Tracked(local), _Tracked(first), lifted=True) is None
+        assert gather_stamps._checked((first,), _Tracked(local), _Tracked(local), lifted=False) is None
+    reasons = [r.getMessage() for r in caplog.records]
+    assert any("reads ['other'] from before the call" in r for r in reasons), reasons
+    assert any("lifted a graph input" in r for r in reasons), reasons
+    assert any("not its last node" in r for r in reasons), reasons
+    recording = gather_stamps._checked((first,), _Tracked(local), _Tracked(first), lifted=False)
+    assert recording is not None and recording.nodes == (first,)
+
+
+def test_symbolic_shard_sizes_are_not_stamped():
+    graph = torch.fx.Graph()
+    node = graph.placeholder("local")
+    node.meta["example_value"] = torch.empty(4, 3)
+    assert gather_stamps.signature(len, _Tracked(node), (2, "g")) is not None
+    assert gather_stamps.signature(len, _Tracked(node), (2, ["unhashable"])) is None
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    with FakeTensorMode(shape_env=ShapeEnv()) as mode:
+        sym = mode.shape_env.create_unbacked_symint()
+        node.meta["example_value"] = torch.empty(sym, 3)
+    assert gather_stamps.signature(len, _Tracked(node), (2, "g")) is None
+
+
+def test_a_saved_tensor_hook_sees_no_tensor_of_the_trace(world, monkeypatch):
+    # Stamped calls compute their fake values by running them; checkpoint then saves its (fake) inputs.
+    # A user's pack hook around the first, compiling call must see only what the compiled step saves.
+    from fsdp_training import saved_bytes
+
+    seen = {}
+    for stamped in (True, False):
+        torch._dynamo.reset()
+        with monkeypatch.context() as m:
+            if not stamped:
+                m.setattr(gather_stamps, "signature", lambda *args: None)
+            net = build(4, reshard=True)
+            seen[stamped] = saved_bytes(net, torch.compile(net, backend="aot_eager", fullgraph=True), batch(0, 0))
+    assert seen[True] == seen[False], seen
