@@ -42,7 +42,9 @@ def reduce_mesh_for_cache_key(mesh: Any) -> tuple[Any, ...]:
     """The ``__reduce__`` tuple the cache picklers store a ``DeviceMesh`` as: class, no arguments, the state
     less ``_hash`` (NOTE [device meshes in the cache key]).  Nested meshes in the state (the root mesh,
     flattened meshes) go through the pickler again, so they are reduced the same way."""
-    return (copyreg.__newobj__, (type(mesh),), _compat.mesh_state_for_cache_key(mesh))
+    # what pickle writes for an object by default: NEWOBJ of the class, then BUILD with the state
+    newobj = copyreg.__newobj__  # pyright: ignore[reportAttributeAccessIssue]  (defined, not in typeshed)
+    return (newobj, (type(mesh),), _compat.mesh_state_for_cache_key(mesh))
 
 
 def _stable_meshes(original: Callable[..., Any]) -> Callable[..., Any]:
