@@ -56,6 +56,7 @@ def _install() -> None:
         raise ImportError("dynamo-ext needs a torch build with torch.distributed (dist.is_available() is False)")
     from . import (
         _compat,
+        aot_cache_key,
         aot_cache_policy,
         aot_rng_order,
         async_collective_inputs,
@@ -74,6 +75,7 @@ def _install() -> None:
             inductor_lowerings.install(PATCHES)
             collective_check.install(PATCHES)  # NOTE [collective check hook]
             aot_cache_policy.install(PATCHES)  # NOTE [our autograd functions in AOTAutograd's cache]
+            aot_cache_key.install(PATCHES)  # NOTE [device meshes in the cache key]
             aot_rng_order.install(PATCHES)  # NOTE [rng states after opaque objects]
             async_collective_inputs.install(PATCHES)  # NOTE [grad-requiring AsyncCollectiveTensor inputs]
             ddp_overlap.install(PATCHES)  # NOTE [split for overlap under DDP]

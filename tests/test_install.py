@@ -18,6 +18,7 @@ def _snapshot() -> dict[str, dict[str, object]]:
     """Snapshot of every namespace the plugin may patch: object identity, config values by value."""
     import torch._functorch._aot_autograd.frontend_utils as frontend_utils
     import torch._functorch.aot_autograd as aot_autograd
+    import torch._inductor.codecache as codecache
     import torch._inductor.config as inductor_config
     import torch._inductor.lowering as lowering
 
@@ -29,6 +30,7 @@ def _snapshot() -> dict[str, dict[str, object]]:
         "lowerings": lowering.lowerings,
         "aot_autograd": vars(aot_autograd),
         "frontend_utils": vars(frontend_utils),
+        "FxGraphCachePickler": vars(codecache.FxGraphCachePickler),
     }
     snap = {name: {k: id(v) for k, v in dict(ns).items()} for name, ns in spaces.items()}
     for name, cfg in (("inductor.config", inductor_config), ("dynamo.config", torch._dynamo.config)):

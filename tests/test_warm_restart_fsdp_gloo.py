@@ -1,4 +1,4 @@
-"""FSDP2 trained from AOTAutograd's cache (a warm restart) matches eager, on 4 gloo ranks.
+"""FSDP2 (alone, and over TP) trained from AOTAutograd's cache (a warm restart) matches eager, on 4 gloo ranks.
 
 Two launches share one cache directory: the first compiles (cold), the second
 is the restarted job (warm; a new process, so the process groups get the same
@@ -8,7 +8,9 @@ The plugin traces FSDP2's all-gather as an ``autograd.Function`` of its own,
 which AOTAutograd's cache serves only by NOTE [our autograd functions in
 AOTAutograd's cache]; this checks the graphs it serves give eager's losses,
 gradients (type, placement, local values) and parameters after several
-optimizer steps, with the collective check on.
+optimizer steps, with the collective check on.  FSDP2 over TP on a (2, 2) mesh
+has sub-meshes among the graph's inputs, whose cache key is stable across
+launches only by NOTE [device meshes in the cache key].
 """
 
 from __future__ import annotations
@@ -23,33 +25,32 @@ from helpers import run_on_ranks
 
 pytestmark = [pytest.mark.gloo, pytest.mark.slow]  # two 4-process launches, each an eager and a compiled training
 
-# FSDP2 on a 1-D mesh, nested.  FSDP over TP is left out: on torch 2.13 AOTAutograd's cache key of a graph
-# with 2-D mesh inputs differs between launches (stock's too), so a restart misses (benchmarks/README.md).
-CONFIG = {"steps": 3}
+# FSDP2 nested on a 1-D mesh; FSDP2 over TP (column- then row-wise in each block) on a (2, 2) mesh.
+CONFIGS = {"fsdp": {"steps": 3}, "fsdp+tp": {"steps": 3, "tp": True}}
 TOL = 1e-5
 
 
-def _rank(rank: int, world: int, cache_dir: str) -> dict[str, Any]:
+def _rank(rank: int, world: int, cache_dir: str, config: dict[str, Any]) -> dict[str, Any]:
     """Eager training, then compiled training (compile included) with the shared cache directory."""
     from torch._dynamo.utils import counters
 
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir
     torch._functorch.config.enable_autograd_cache = True
     torch._inductor.config.fx_graph_cache = True
-    net = build(world, **CONFIG)
-    eager = train(net, net, rank, **CONFIG)
+    net = build(world, **config)
+    eager = train(net, net, rank, **config)
     counters.clear()
-    net = build(world, **CONFIG)
-    compiled = train(net, torch.compile(net, backend="inductor", fullgraph=True), rank, **CONFIG)
+    net = build(world, **config)
+    compiled = train(net, torch.compile(net, backend="inductor", fullgraph=True), rank, **config)
     aot = counters["aot_autograd"]
     cache = (aot["autograd_cache_hit"], aot["autograd_cache_miss"], aot["autograd_cache_bypass"])
     return {**diff(eager, compiled), "cache": cache}
 
 
-@pytest.fixture(scope="module")
-def results(tmp_path_factory):
+@pytest.fixture(scope="module", params=list(CONFIGS))
+def results(request, tmp_path_factory):
     cache_dir = str(tmp_path_factory.mktemp("inductor_cache"))
-    return {launch: run_on_ranks(_rank, cache_dir, nproc=4) for launch in ("cold", "warm")}
+    return {launch: run_on_ranks(_rank, cache_dir, CONFIGS[request.param], nproc=4) for launch in ("cold", "warm")}
 
 
 def test_warm_fsdp2_graph_comes_from_the_aot_cache(results):

@@ -44,6 +44,7 @@ from .aot import (
 from .aot_cache import (
     aot_cache_class,
     cache_custom_autograd_functions,
+    cache_key_pickler_class,
     compiled_graph_attributes,
     custom_autograd_function_switch_on,
     entry_has_backward,
@@ -101,6 +102,7 @@ from .dtensor import (
     dtensor_to_local_codes,
     implicit_replication,
     mesh_group_names,
+    mesh_state_for_cache_key,
     root_mesh,
     strided_shard_type,
 )
@@ -231,6 +233,7 @@ __all__ = [
     "backend_swapped",
     "backward_hook_variable_class",
     "cache_custom_autograd_functions",
+    "cache_key_pickler_class",
     "checkpoint_tags_nested_ops",
     "collective_kernel_cls",
     "comm_buffer_api",
@@ -321,6 +324,7 @@ __all__ = [
     "lowering_table",
     "make_lowering",
     "mesh_group_names",
+    "mesh_state_for_cache_key",
     "no_duck_shapes",
     "no_tracing_context",
     "object_collective_device",

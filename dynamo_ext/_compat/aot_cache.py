@@ -101,6 +101,23 @@ def compiled_graph_attributes(compiled: Any) -> dict[str, Any]:
     return dict(getattr(compiled, "__dict__", None) or {})
 
 
+@functools.cache
+def cache_key_pickler_class() -> Any | None:
+    """Inductor's ``FxGraphCachePickler`` when it has a ``reducer_override`` of its own; else ``None``.
+
+    The pickler both Inductor's FX graph cache and AOTAutograd's cache (``AOTAutogradCachePickler``, a
+    subclass whose ``reducer_override`` falls back to this one's) hash their keys with.  ``pickle`` calls
+    ``reducer_override`` for every object it meets before its dispatch table (torch 2.11 to 2.15).
+    """
+    try:
+        module = importlib.import_module("torch._inductor.codecache")
+    except ImportError:
+        return None
+    cls = getattr(module, "FxGraphCachePickler", None)
+    own = getattr(cls, "__dict__", {}).get("reducer_override")
+    return cls if inspect.isfunction(own) else None
+
+
 def _functorch_config() -> Any:
     return importlib.import_module("torch._functorch.config")
 

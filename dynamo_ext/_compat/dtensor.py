@@ -25,6 +25,22 @@ def mesh_group_names(mesh: Any) -> tuple[str, ...] | None:
     return None if names is None else tuple(names)
 
 
+def mesh_state_for_cache_key(mesh: Any) -> dict[str, Any]:
+    """What pickling a ``DeviceMesh`` stores (its ``__getstate__``: the ``__dict__`` without the process-group
+    registry) less ``_hash``, the ``hash()`` a mesh caches in its ``__dict__`` the first time it is hashed.
+
+    ``_hash`` is ``hash()`` of the mesh's layout, rank map, device type, axis names and thread id (the
+    fields ``__eq__`` compares, all kept in the returned state), so it adds nothing but a value that
+    changes between processes (string hashing is randomized per process).  Present as a lazily set
+    attribute on 2.11 to 2.15; a mesh that was never hashed has ``None`` or no ``_hash`` at all.
+    """
+    get_state = getattr(mesh, "__getstate__", None)
+    state = get_state() if callable(get_state) else None
+    state = dict(state if isinstance(state, dict) else vars(mesh))
+    state.pop("_hash", None)
+    return state
+
+
 def strided_shard_type() -> type:
     """``torch.distributed.tensor.placement_types._StridedShard`` (private, present on 2.11 to 2.15).
 
