@@ -147,9 +147,17 @@ def _rank_entry(fn: Callable[..., Any], plugin: bool, args: tuple[Any, ...]) -> 
 # multiprocessing's forkserver, one process per session that imported torch and Dynamo once (torch's
 # DataLoader forks its workers after the same imports).  A forked rank has the environment the forkserver
 # started with, not the caller's current one, so a launch whose environment differs from that (a test's
-# monkeypatch.setenv for its ranks) spawns as before.
+# monkeypatch.setenv for its ranks) spawns as before.  Two variables change on their own and reach no rank
+# from the caller: pytest's PYTEST_CURRENT_TEST (each test's name) and TORCHELASTIC_* (set by the launcher,
+# which gives each rank its own).
 _FORKSERVER_PRELOAD = ["torch", "torch.distributed", "torch._dynamo"]
 _forkserver_env: dict[str, str] | None = None
+
+
+def _rank_environment() -> dict[str, str]:
+    """This process's environment less the variables that change on their own (NOTE [ranks forked from a
+    forkserver])."""
+    return {k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST" and not k.startswith("TORCHELASTIC_")}
 
 
 def _start_method() -> str:
@@ -162,8 +170,8 @@ def _start_method() -> str:
         return "spawn"
     if _forkserver_env is None:
         multiprocessing.get_context("forkserver").set_forkserver_preload(_FORKSERVER_PRELOAD)
-        _forkserver_env = dict(os.environ)
-    return "forkserver" if dict(os.environ) == _forkserver_env else "spawn"
+        _forkserver_env = _rank_environment()
+    return "forkserver" if _rank_environment() == _forkserver_env else "spawn"
 
 
 def run_on_ranks(fn: Callable[..., Any], *args: Any, nproc: int = 4, plugin: bool = True) -> list[Any]:
