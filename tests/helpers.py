@@ -145,24 +145,25 @@ def _rank_entry(fn: Callable[..., Any], plugin: bool, args: tuple[Any, ...]) -> 
 # NOTE [ranks forked from a forkserver]: a spawned rank imports torch afresh (3-5 s of CPU each, 4 per
 # launch, on 2 cores), and the suite launches ranks about twenty times.  The ranks are instead forked from
 # multiprocessing's forkserver, one process per session that imported torch and Dynamo once (torch's
-# DataLoader forks its workers after the same imports).  A forked rank has the environment the forkserver
-# started with, not the caller's current one, so a launch whose environment differs from that (a test's
-# monkeypatch.setenv for its ranks) spawns as before.  Two variables change on their own and reach no rank
+# DataLoader forks its workers after the same imports).  A forked rank has the environment and working
+# directory the forkserver started with, not the caller's current ones, so a launch whose environment or
+# directory differs from those (a test's monkeypatch.setenv for its ranks) spawns as before.  Two variables change on their own and reach no rank
 # from the caller: pytest's PYTEST_CURRENT_TEST (each test's name) and TORCHELASTIC_* (set by the launcher,
 # which gives each rank its own).
 _FORKSERVER_PRELOAD = ["torch", "torch.distributed", "torch._dynamo"]
-_forkserver_env: dict[str, str] | None = None
+_forkserver_env: tuple[str, dict[str, str]] | None = None
 
 
-def _rank_environment() -> dict[str, str]:
-    """This process's environment less the variables that change on their own (NOTE [ranks forked from a
-    forkserver])."""
-    return {k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST" and not k.startswith("TORCHELASTIC_")}
+def _rank_environment() -> tuple[str, dict[str, str]]:
+    """This process's working directory and environment, less the variables that change on their own
+    (NOTE [ranks forked from a forkserver])."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST" and not k.startswith("TORCHELASTIC_")}
+    return os.getcwd(), env
 
 
 def _start_method() -> str:
-    """``"forkserver"`` when this process's environment is the one the forkserver started with (the first
-    call's), else ``"spawn"`` (NOTE [ranks forked from a forkserver])."""
+    """``"forkserver"`` when this process's environment and working directory are the ones the forkserver
+    started with (the first call's), else ``"spawn"`` (NOTE [ranks forked from a forkserver])."""
     import multiprocessing
 
     global _forkserver_env
