@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The test command (README "Set up"): installs what the suite needs, then runs it.
-#   bash scripts/test.sh            # the whole suite (what CI runs)
+#   bash scripts/test.sh            # the default suite (what CI runs; tests marked slow are left out)
+#   bash scripts/test.sh -m ""      # everything, the slow tests too
 #   bash scripts/test.sh -k guards  # extra arguments go to pytest
 # Installs: torch 2.13.0 (CPU), this package with its [test] extras, and Debian's
 # chromium for the audit's HTML screenshot test when apt-get is usable (root).

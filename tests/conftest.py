@@ -6,8 +6,19 @@ from __future__ import annotations
 import os
 import sys
 
-import pytest
-import torch
+# NOTE [Inductor compiles in-process in the suite]: by default Inductor starts a pool of compile
+# worker processes (one per core) in every process that compiles, each importing torch again: on the
+# 2-core CI machine, 4 gloo ranks start 4 pools for a few tiny kernels.  One compile thread compiles
+# the same kernels in the calling process (the generated code is the same).  The environment variable
+# reaches the ranks and the audit's subprocesses (they inherit it and import torch afresh); this process
+# read Inductor's config already (the audit's pytest plugin imports it), so it is set there too.
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import torch._inductor.config  # noqa: E402
+
+torch._inductor.config.compile_threads = int(os.environ["TORCHINDUCTOR_COMPILE_THREADS"])
 
 sys.path.insert(0, os.path.dirname(__file__))
 

@@ -1,7 +1,7 @@
 """Test helpers: the fake process group and real gloo ranks.
 
 Every use of the private ``torch.testing._internal`` helpers goes through this
-module.  Gloo ranks are spawned with torch's own elastic launcher.
+module.  Gloo ranks are started with torch's own elastic launcher.
 """
 
 from __future__ import annotations
@@ -163,15 +163,50 @@ def _rank_entry(fn: Callable[..., Any], plugin: bool, args: tuple[Any, ...]) -> 
         dist.destroy_process_group()
 
 
+# NOTE [ranks forked from a forkserver]: a spawned rank imports torch afresh (3-5 s of CPU each, 4 per
+# launch, on 2 cores), and the suite launches ranks about twenty times.  The ranks are instead forked from
+# multiprocessing's forkserver, one process per session that imported torch and Dynamo once (torch's
+# DataLoader forks its workers after the same imports).  A forked rank has the environment and working
+# directory the forkserver started with, not the caller's current ones, so a launch whose environment or
+# directory differs from those (a test's monkeypatch.setenv for its ranks) spawns as before.  Two variables change on their own and reach no rank
+# from the caller: pytest's PYTEST_CURRENT_TEST (each test's name) and TORCHELASTIC_* (set by the launcher,
+# which gives each rank its own).
+_FORKSERVER_PRELOAD = ["torch", "torch.distributed", "torch._dynamo"]
+_forkserver_env: tuple[str, dict[str, str]] | None = None
+
+
+def _rank_environment() -> tuple[str, dict[str, str]]:
+    """This process's working directory and environment, less the variables that change on their own
+    (NOTE [ranks forked from a forkserver])."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST" and not k.startswith("TORCHELASTIC_")}
+    return os.getcwd(), env
+
+
+def _start_method() -> str:
+    """``"forkserver"`` when this process's environment and working directory are the ones the forkserver
+    started with (the first call's), else ``"spawn"`` (NOTE [ranks forked from a forkserver])."""
+    import multiprocessing
+
+    global _forkserver_env
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return "spawn"
+    if _forkserver_env is None:
+        multiprocessing.get_context("forkserver").set_forkserver_preload(_FORKSERVER_PRELOAD)
+        _forkserver_env = _rank_environment()
+    return "forkserver" if _rank_environment() == _forkserver_env else "spawn"
+
+
 def run_on_ranks(fn: Callable[..., Any], *args: Any, nproc: int = 4, plugin: bool = True) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``nproc`` gloo ranks; return the results by rank.
 
-    ``fn`` must be a module-level function (it is pickled into spawned processes).
+    ``fn`` must be a module-level function (it is pickled into the rank processes, forked from a
+    forkserver or spawned: NOTE [ranks forked from a forkserver]).
     Raises ``torch.distributed.elastic.multiprocessing.errors.ChildFailedError``
     with each failed rank's traceback when a rank raises.
     """
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
     config = LaunchConfig(
         min_nodes=1,
         max_nodes=1,
@@ -181,9 +216,8 @@ def run_on_ranks(fn: Callable[..., Any], *args: Any, nproc: int = 4, plugin: boo
         rdzv_endpoint=f"127.0.0.1:{free_port()}",
         max_restarts=0,
         monitor_interval=0.05,
-        start_method="spawn",
+        start_method=_start_method(),
     )
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
     out = elastic_launch(config, _rank_entry)(fn, plugin, args)
     return [out[r] for r in range(nproc)]
 

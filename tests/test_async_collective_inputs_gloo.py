@@ -23,7 +23,7 @@ pytestmark = pytest.mark.gloo
 
 @pytest.fixture(scope="module")
 def ranks(request):
-    """The repro and, when its (slow) test is selected, the torchtitan-shaped model, in one launch of 4 ranks."""
+    """The repro and, when its test is selected, the torchtitan-shaped model, in one launch of 4 ranks."""
     selected = {item.originalname for item in request.session.items if item.module is request.module}
     parts = {"repro": _repro}
     if test_per_block_compiled_tp_fsdp_model_matches_eager.__name__ in selected:
@@ -164,7 +164,6 @@ def _titan_shaped(rank: int, world: int) -> dict[str, Any]:
     return out
 
 
-@pytest.mark.slow  # one 4-process launch: 6 trainings (2 eager, 4 compiled), about 60 CPU-seconds
 def test_per_block_compiled_tp_fsdp_model_matches_eager(ranks):
     for rank, res in enumerate(ranks["titan_shaped"]):
         for setting, d in res.items():

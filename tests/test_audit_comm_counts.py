@@ -246,7 +246,6 @@ def test_eager_module_names_as_the_report_writes_them():
 
 
 @pytest.mark.gloo
-@pytest.mark.slow
 def test_module_run_eagerly_behind_a_break_is_the_reason_on_a_real_run():
     """2 gloo ranks: ``second``'s FSDP2 collectives run eagerly behind a break; the report names it, nothing else."""
     target = TARGETS / "eager_fsdp_module.py"

@@ -17,7 +17,7 @@ import pytest
 import torch
 from test_audit_e2e import cli
 
-pytestmark = [pytest.mark.gloo, pytest.mark.slow]
+pytestmark = pytest.mark.gloo
 
 README_TEST = "test_readme_main_command.py::test_readme_main_command_in_a_new_venv"
 

@@ -24,7 +24,7 @@ transformers = pytest.importorskip(
 
 from test_audit_e2e import cli  # noqa: E402
 
-pytestmark = [pytest.mark.gloo, pytest.mark.slow]
+pytestmark = pytest.mark.gloo
 
 
 def _line(module_name: str, text: str) -> tuple[str, int]:

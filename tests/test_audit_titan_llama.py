@@ -42,7 +42,6 @@ def test_module_path_drops_checkpoint_wrapper_and_module_dict_spelling():
 
 
 @pytest.mark.gloo
-@pytest.mark.slow
 def test_titan_llama_training_step_audit():
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "out.json"

@@ -7,6 +7,11 @@ placements, local shard) and the parameters after each step must match eager,
 and the forward graph must call one subgraph for the blocks.  Under compiled
 autograd the backward is refused with a message (NOTE [block reuse under
 compiled autograd]).
+
+Marked ``slow`` (not run by default): block reuse is off by default; the
+default run covers it in one process (``test_block_reuse.py``: the subgraph,
+the refusals, Inductor gradients against eager).  One launch of 4 ranks
+serves both tests (the ``ranks`` fixture).
 """
 
 from __future__ import annotations
@@ -18,9 +23,9 @@ from typing import Any
 import pytest
 import torch
 from fsdp_training import build, diff, train
-from helpers import CountingBackend, run_on_ranks
+from helpers import CountingBackend, run_parts_on_ranks
 
-pytestmark = pytest.mark.gloo
+pytestmark = [pytest.mark.gloo, pytest.mark.slow]
 
 THREE = (6, 6, 6)
 CONFIGS = {
@@ -50,8 +55,10 @@ def _reuse(rank: int, world: int, compiled_autograd: bool) -> dict[str, Any]:
     for name, cfg in CONFIGS.items():
         if compiled_autograd and name == "inductor":
             continue
-        net = build(world, **cfg)
-        eager = train(net, net, rank, **cfg)
+        eager = None  # under compiled autograd only the refusal is checked: no eager reference
+        if not compiled_autograd:
+            net = build(world, **cfg)
+            eager = train(net, net, rank, **cfg)
         torch._dynamo.reset()
         compat.dynamo_counters().clear()
         fwd, bwd = CountingBackend(cfg.get("backend", "aot_eager")), CountingBackend("aot_eager")
@@ -66,13 +73,24 @@ def _reuse(rank: int, world: int, compiled_autograd: bool) -> dict[str, Any]:
                 out[name] = {"refused": str(e)}
                 continue
         calls = Counter(str(n.args[0].target) for g in fwd.graphs for n in g.graph.nodes if is_invoke_subgraph(n))
+        assert eager is not None, "compiled autograd with block reuse trained instead of refusing"
         out[name] = {**diff(eager, run), "graphs": len(fwd.graphs), "calls": calls}
     return out
 
 
+@pytest.fixture(scope="module")
+def ranks():
+    """Both backward modes, in one launch of 4 ranks."""
+    parts = {
+        "eager_backward": functools.partial(_reuse, compiled_autograd=False),
+        "compiled_autograd": functools.partial(_reuse, compiled_autograd=True),
+    }
+    return run_parts_on_ranks(parts, nproc=4)
+
+
 @pytest.mark.parametrize("compiled_autograd", [False, True], ids=["eager_backward", "compiled_autograd"])
-def test_three_identical_fsdp2_blocks_reused_match_eager(compiled_autograd):
-    for rank, per_config in enumerate(run_on_ranks(_reuse, compiled_autograd, nproc=4)):
+def test_three_identical_fsdp2_blocks_reused_match_eager(ranks, compiled_autograd):
+    for rank, per_config in enumerate(ranks["compiled_autograd" if compiled_autograd else "eager_backward"]):
         for name, r in per_config.items():
             where = f"rank {rank}, {name}: {r}"
             if compiled_autograd:  # refused in words, never run with a wrong backward

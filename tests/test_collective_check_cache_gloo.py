@@ -18,7 +18,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from helpers import run_on_ranks
 
-pytestmark = [pytest.mark.gloo, pytest.mark.slow]  # one 2-process launch, about 30 CPU-seconds
+pytestmark = pytest.mark.gloo  # one 2-process launch, about 30 CPU-seconds
 
 WORLD = 2
 

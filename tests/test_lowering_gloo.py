@@ -14,7 +14,7 @@ import pytest
 import torch
 from helpers import run_parts_on_ranks
 
-pytestmark = [pytest.mark.gloo, pytest.mark.slow]  # one 4-process launch for the file, about 40 CPU-seconds
+pytestmark = pytest.mark.gloo  # one 4-process launch for the file, about 40 CPU-seconds
 
 HIDDEN, FFN, TOKENS = 64, 128, 24
 

@@ -20,7 +20,7 @@ import shutil
 import pytest
 from readme_run import REPO, readme_main_command
 
-pytestmark = [pytest.mark.gloo, pytest.mark.slow, pytest.mark.fresh_venv]
+pytestmark = [pytest.mark.gloo, pytest.mark.fresh_venv]
 
 
 def test_readme_main_command_is_found():

@@ -13,7 +13,6 @@ from helpers import env_tool
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.slow  # about 20 s of CPU on a 2-core machine (it reads torch's sources too)
 def test_pyright_basic():
     pyright = env_tool("pyright")
     if pyright is None:
