@@ -23,7 +23,7 @@ import torch
 from fsdp_training import build, diff, train
 from helpers import run_on_ranks
 
-pytestmark = [pytest.mark.gloo, pytest.mark.slow]  # two 4-process launches, each an eager and a compiled training
+pytestmark = pytest.mark.gloo  # two 4-process launches (cold, warm), each an eager and a compiled training
 
 # FSDP2 nested on a 1-D mesh; FSDP2 over TP (column- then row-wise in each block) on a (2, 2) mesh.
 CONFIGS = {"fsdp": {"steps": 3}, "fsdp+tp": {"steps": 3, "tp": True}}
