@@ -15,22 +15,33 @@ the function, the local shard's metadata (shape, stride, dtype, device,
 and the grad mode.  Identical blocks repeat the same few signatures.  So the
 first call of a signature in a frame's trace is traced as usual and its nodes
 recorded; a later call with the same signature adds copies of those nodes,
-with its own shard as the one input, calling the same body submodules (their
-``get_attr`` nodes are shared).  Fake values of the copies are computed by
-running them, as ``wrap_fx_proxy`` does, with the user's saved-tensor hooks
-deferred (a pack hook must not see the fakes the checkpoint saves); they are
-never copied, so no two graph values share a fake tensor.
+with its own shard as the one input.  The higher-order ops' bodies are copied
+too (a few nodes each), their nodes moved into the calling block's module
+(``nn_module_stack``): AOTAutograd copies a body node's module stack and stack
+trace onto the nodes it traces from it, and the audit and the compiled-autograd
+backward read them, so a stamped call must leave exactly what tracing it would.
+Stack traces are the recorded ones; a call from another place than the recorded
+call (a block called on another line) is traced instead.  Fake values of the
+copies are computed by running them, as ``wrap_fx_proxy`` does, with the
+user's saved-tensor hooks deferred (a pack hook must not see the fakes the
+checkpoint saves); they are never copied, so no two graph values share a fake
+tensor.
 
 A recording is used only when it is self-contained, which is checked when it
 is made: every recorded node is a ``get_attr`` or ``call_function`` of the
 root graph, the only value it reads from before the call is the shard, the
 call lifted no new graph input, and its result is the last recorded node.
 Anything else (a nested tracer, dynamic shapes, a lifted input) traces every
-call as before.  The recordings belong to one frame's root graph: a new frame, or a
-restarted trace, starts empty; a recording whose nodes Dynamo erased (a
-speculation it rolled back) is dropped and the call traced again.  ``tests/test_fsdp_gather_stamps.py`` checks
-that AOTAutograd's forward and backward graphs are the same node for node with
-and without stamping.
+call as before, and so does a recording whose bodies hold a node of another
+module than the call's.  The recordings belong to one frame's root graph: a
+new frame, or a restarted trace, starts empty; a recording whose nodes Dynamo
+erased (a speculation it rolled back) is dropped and the call traced again.
+
+Which calls are stamped may differ between ranks (uneven shards give a rank
+other shard shapes); the graph does not, since a stamped call leaves what
+tracing it leaves.  ``tests/test_fsdp_gather_stamps.py`` checks that
+AOTAutograd's forward and backward graphs are the same node for node with and
+without stamping, with each node's module stack and stack trace.
 """
 
 from __future__ import annotations
