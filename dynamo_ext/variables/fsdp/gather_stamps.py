@@ -38,7 +38,7 @@ new frame, or a restarted trace, starts empty; a recording whose nodes Dynamo
 erased (a speculation it rolled back) is dropped and the call traced again.
 
 Which calls are stamped may differ between ranks (uneven shards give a rank
-other shard shapes); the graph does not, since a stamped call leaves what
+other shard shapes); AOTAutograd's graphs do not, since a stamped call leaves what
 tracing it leaves.  ``tests/test_fsdp_gather_stamps.py`` checks that
 AOTAutograd's forward and backward graphs are the same node for node with and
 without stamping, with each node's module stack and stack trace.
