@@ -15,23 +15,38 @@ the function, the local shard's metadata (shape, stride, dtype, device,
 and the grad mode.  Identical blocks repeat the same few signatures.  So the
 first call of a signature in a frame's trace is traced as usual and its nodes
 recorded; a later call with the same signature adds copies of those nodes,
-with its own shard as the one input, calling the same body submodules.  Fake
-values of the copies are computed by running them (``wrap_fx_proxy``), not
-copied, so no two graph values share a fake tensor.
+with its own shard as the one input.  The higher-order ops' bodies are copied
+too (a few nodes each), their nodes moved into the calling block's module
+(``nn_module_stack``): AOTAutograd copies a body node's module stack and stack
+trace onto the nodes it traces from it, and the audit and the compiled-autograd
+backward read them, so a stamped call must leave exactly what tracing it would.
+Stack traces are the recorded ones; a call from another place than the recorded
+call (a block called on another line) is traced instead.  Fake values of the
+copies are computed by running them, as ``wrap_fx_proxy`` does, with the
+user's saved-tensor hooks deferred (a pack hook must not see the fakes the
+checkpoint saves); they are never copied, so no two graph values share a fake
+tensor.
 
 A recording is used only when it is self-contained, which is checked when it
 is made: every recorded node is a ``get_attr`` or ``call_function`` of the
 root graph, the only value it reads from before the call is the shard, the
 call lifted no new graph input, and its result is the last recorded node.
 Anything else (a nested tracer, dynamic shapes, a lifted input) traces every
-call as before.  The recordings belong to one frame's root graph: a new frame, or a
-restarted trace, starts empty.  ``tests/test_fsdp_gather_stamps.py`` checks
-that AOTAutograd's forward and backward graphs are the same node for node with
-and without stamping.
+call as before, and so does a recording whose bodies hold a node of another
+module than the call's.  The recordings belong to one frame's root graph: a
+new frame, or a restarted trace, starts empty; a recording whose nodes Dynamo
+erased (a speculation it rolled back) is dropped and the call traced again.
+
+Which calls are stamped may differ between ranks (uneven shards give a rank
+other shard shapes); AOTAutograd's graphs do not, since a stamped call leaves what
+tracing it leaves.  ``tests/test_fsdp_gather_stamps.py`` checks that
+AOTAutograd's forward and backward graphs are the same node for node with and
+without stamping, with each node's module stack and stack trace.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 import weakref
@@ -48,10 +63,14 @@ log = logging.getLogger(__name__)
 
 @dataclasses.dataclass(frozen=True)
 class _Recording:
-    """The nodes one gather call added, in order; ``local`` is the node of the shard it read."""
+    """The nodes one gather call added, in order; ``local`` is the node of the shard it read.
+
+    ``stack_trace``: the user stack of the call (every recorded node has it, bodies included).
+    """
 
     local: torch.fx.Node
     nodes: tuple[torch.fx.Node, ...]
+    stack_trace: str | None
 
 
 # Per frame trace: keyed by the root graph Dynamo is building (an OutputGraph is not hashable).
@@ -100,7 +119,10 @@ def call(tx: Any, impl: Callable[..., Any], local: Any, constants: list[Any], ke
     if key in recordings:
         recording = recordings[key]
         if recording is not None and _usable(recording, tx):
-            return _stamp(tx, recording, local)
+            stamped = _stamp(tx, recording, local)
+            if stamped is not None:
+                return stamped
+            return _trace(tx, impl, local, constants)
         if recording is not None:
             log.debug("FSDP2 gather recording dropped: Dynamo rolled its nodes back")
             del recordings[key]
@@ -111,7 +133,7 @@ def call(tx: Any, impl: Callable[..., Any], local: Any, constants: list[Any], ke
     inputs = len(output.placeholders)
     result = _trace(tx, impl, local, constants)
     new = tuple(n for n in graph.nodes if n not in before)
-    recordings[key] = _checked(new, local, result, lifted=len(output.placeholders) != inputs)
+    recordings[key] = _checked(new, local, result, len(output.placeholders) != inputs, output.nn_modules)
     if recordings[key] is not None:
         log.debug("FSDP2 gather of a %s shard traced: later identical parameters are stamped from it", key[1])
     return result
@@ -121,7 +143,9 @@ def _trace(tx: Any, impl: Callable[..., Any], local: Any, constants: list[Any]) 
     return _compat.user_function_variable(impl).call_function(tx, [local, *constants], {})
 
 
-def _checked(new: tuple[torch.fx.Node, ...], local: Any, result: Any, lifted: bool) -> _Recording | None:
+def _checked(
+    new: tuple[torch.fx.Node, ...], local: Any, result: Any, lifted: bool, modules: dict[str, Any]
+) -> _Recording | None:
     """The recording of a traced call, or None (and why, logged) when it is not self-contained."""
     local_node = local.as_proxy().node
     inside = set(new)
@@ -136,10 +160,34 @@ def _checked(new: tuple[torch.fx.Node, ...], local: Any, result: Any, lifted: bo
             if n.op not in ("get_attr", "call_function") or outside:
                 why = f"node {n.name} ({n.op}) reads {[a.name for a in outside]} from before the call"
                 break
+    if why is None:
+        why = _context_differs(new, modules)
     if why is not None:
         log.debug("FSDP2 gather traced for every parameter of this signature: %s", why)
         return None
-    return _Recording(local_node, new)
+    return _Recording(local_node, new, new[-1].meta.get("stack_trace"))
+
+
+def _bodies(node: torch.fx.Node, modules: dict[str, Any]) -> list[torch.fx.GraphModule]:
+    """The graph modules a recorded ``get_attr`` node reads, nested bodies included; [] for other nodes."""
+    body = modules.get(node.name) if node.op == "get_attr" else None
+    if not isinstance(body, torch.fx.GraphModule):
+        return []
+    return [m for m in body.modules() if isinstance(m, torch.fx.GraphModule)]
+
+
+def _context_differs(new: tuple[torch.fx.Node, ...], modules: dict[str, Any]) -> str | None:
+    """Why a body node of the call is not in the call's module; None when all are.
+
+    A stamped copy's bodies get the module stack of their own call (:func:`_stamp`): exact only when
+    every node of the recorded bodies carries the recorded call's module stack or none.
+    """
+    stack = new[-1].meta.get("nn_module_stack")
+    for body in (b for n in new for b in _bodies(n, modules)):
+        for m in body.graph.nodes:
+            if m.op not in ("placeholder", "output") and m.meta.get("nn_module_stack") not in (None, stack):
+                return f"body node {m.name} is inside another module than the call"
+    return None
 
 
 def _node_of(tracker: Any) -> torch.fx.Node | None:
@@ -150,21 +198,39 @@ def _node_of(tracker: Any) -> torch.fx.Node | None:
 
 
 def _stamp(tx: Any, recording: _Recording, local: Any) -> Any:
-    """Add copies of ``recording``'s calls reading ``local``; the tracker of the last copy.
+    """Add copies of ``recording``'s nodes reading ``local``; the tracker of the last copy, or None.
 
-    The recorded ``get_attr`` nodes (the bodies of higher-order ops) are read again, not
-    copied: Dynamo finds a body by its ``get_attr`` node's name.
+    The higher-order ops' bodies are copied too, each node moved into the module of this
+    call (``nn_module_stack``), so AOTAutograd's nodes say which block they belong to, as
+    if traced.  Dynamo finds a body by its ``get_attr`` node's name: each copy is installed
+    under a name of its own.  Stack traces are the recorded ones, which begin with the
+    recorded call site: when this call comes from another one (a block called from another
+    line), the copies are removed again and None returned, for the call to be traced.
     """
-    tracer = tx.output.current_tracer
+    output = tx.output
     proxies: dict[torch.fx.Node, Any] = {recording.local: local.as_proxy()}
-    *inner, last = recording.nodes
-    for node in inner:
+    stack = dict(tx.nn_module_stack)
+    for node in recording.nodes:
         if node.op == "get_attr":
-            proxies[node] = torch.fx.Proxy(node, tracer)
+            body = copy.deepcopy(output.nn_modules[node.name])
+            for module in body.modules():
+                for n in module.graph.nodes if isinstance(module, torch.fx.GraphModule) else ():
+                    if n.meta.get("nn_module_stack") is not None:  # what Dynamo leaves out stays out
+                        n.meta["nn_module_stack"] = dict(stack)
+            name = output.install_subgraph(str(node.target).rstrip("0123456789").rstrip("_"), body)
+            proxies[node] = output.create_proxy("get_attr", name, (), {})
             continue
-        proxy = _copy(tx.output, node, proxies)
-        proxy.node.meta["example_value"] = _compat.get_fake_value(proxy.node, tx)
-    return _compat.wrap_fx_proxy(tx, _copy(tx.output, last, proxies))
+        proxy = _copy(output, node, proxies)
+        site = proxy.node.meta.get("stack_trace")
+        if not site or not (node.meta.get("stack_trace") or "").startswith(site):
+            for made in reversed([p.node for n, p in proxies.items() if n is not recording.local]):
+                output.remove_node(made)
+            log.debug("FSDP2 gather traced: called from another place than the recorded call")
+            return None
+        proxy.node.meta["stack_trace"] = node.meta.get("stack_trace")
+        if node is not recording.nodes[-1]:
+            proxy.node.meta["example_value"] = _compat.get_fake_value(proxy.node, tx)
+    return _compat.wrap_fx_proxy(tx, proxies[recording.nodes[-1]])
 
 
 def _copy(output: Any, node: torch.fx.Node, proxies: dict[torch.fx.Node, Any]) -> Any:
