@@ -31,6 +31,7 @@ class _AotCodes:
         self.codes: list[str] = []
         self.contexts: list[list[tuple[str, list[str], str | None]]] = []
         self.stamps = 0
+        self.stamped_in: set[str] = set()  # module paths of the stamped calls
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
         self.dynamo.append(gm)
@@ -58,9 +59,11 @@ def _step(model: torch.nn.Module, inputs: Any, *, stamped: bool, monkeypatch: py
             m.setattr(gather_stamps, "signature", lambda *args: None)
         stamp = gather_stamps._stamp
 
-        def counted(*args: Any) -> Any:
-            out = stamp(*args)
-            backend.stamps += out is not None
+        def counted(tx: Any, *args: Any) -> Any:
+            out = stamp(tx, *args)
+            if out is not None:
+                backend.stamps += 1
+                backend.stamped_in.update(path for path, _cls in tx.nn_module_stack.values())
             return out
 
         m.setattr(gather_stamps, "_stamp", counted)
@@ -81,6 +84,27 @@ def test_identical_parameters_share_one_traced_gather_and_aot_graphs_are_unchang
     assert stamped.contexts == traced.contexts
     # at least blocks 1 and 2 repeat block 0's four parameters (other shards may match too)
     assert traced.stamps == 0 and stamped.stamps >= 2 * 4, stamped.stamps
+    assert any("blocks.1" in path for path in stamped.stamped_in), stamped.stamped_in
+
+
+def _unrolled(self: Any, x: torch.Tensor) -> torch.Tensor:
+    h = self.inp(x)
+    h = self.blocks[0](h)
+    h = self.blocks[1](h)  # another line than block 0's call: another user stack
+    return self.out(h)
+
+
+def test_a_block_called_from_another_line_is_traced_not_stamped(world, monkeypatch):
+    import fsdp_training
+
+    monkeypatch.setattr(fsdp_training.Net, "forward", _unrolled)
+    net = build(4)
+    x = batch(0, 0)
+    stamped = _step(net, x, stamped=True, monkeypatch=monkeypatch)
+    traced = _step(net, x, stamped=False, monkeypatch=monkeypatch)
+    assert stamped.codes == traced.codes and stamped.contexts == traced.contexts
+    # block 1's gathers would carry block 0's stack traces: traced (the root's own may still be stamped)
+    assert not any("blocks.1" in path for path in stamped.stamped_in), stamped.stamped_in
 
 
 def test_fsdp_over_tp_llama_aot_graphs_are_unchanged(world, monkeypatch):
