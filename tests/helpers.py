@@ -80,8 +80,7 @@ def op_calls(graphs: list[torch.fx.GraphModule], name: str) -> int:
     """How many ops whose target's name holds ``name`` running ``graphs`` calls.
 
     A higher-order op's body (activation checkpoint, ``autograd.Function``) counts once per
-    call of it, as it runs: identical FSDP2 gathers call one shared body
-    (NOTE [FSDP2 gathers traced once]).
+    call of it, as it runs, whether or not several calls share one body module.
     """
 
     def count(gm: torch.fx.GraphModule) -> int:
