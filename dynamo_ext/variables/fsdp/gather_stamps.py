@@ -63,14 +63,10 @@ log = logging.getLogger(__name__)
 
 @dataclasses.dataclass(frozen=True)
 class _Recording:
-    """The nodes one gather call added, in order; ``local`` is the node of the shard it read.
-
-    ``stack_trace``: the user stack of the call (every recorded node has it, bodies included).
-    """
+    """The nodes one gather call added, in order; ``local`` is the node of the shard it read."""
 
     local: torch.fx.Node
     nodes: tuple[torch.fx.Node, ...]
-    stack_trace: str | None
 
 
 # Per frame trace: keyed by the root graph Dynamo is building (an OutputGraph is not hashable).
@@ -165,7 +161,7 @@ def _checked(
     if why is not None:
         log.debug("FSDP2 gather traced for every parameter of this signature: %s", why)
         return None
-    return _Recording(local_node, new, new[-1].meta.get("stack_trace"))
+    return _Recording(local_node, new)
 
 
 def _bodies(node: torch.fx.Node, modules: dict[str, Any]) -> list[torch.fx.GraphModule]:
