@@ -76,24 +76,12 @@ class CountingBackend:
         return len(self.graphs)
 
 
-def op_calls(graphs: list[torch.fx.GraphModule], name: str) -> int:
-    """How many ops whose target's name holds ``name`` running ``graphs`` calls.
+def all_gathers(graphs: list[torch.fx.GraphModule]) -> int:
+    """How many all-gathers running ``graphs`` issues: a higher-order op's body (activation checkpoint,
+    ``autograd.Function``) counts once per call of it (``fx.collectives.iter_collectives``)."""
+    from dynamo_ext.fx.collectives import iter_collectives
 
-    A higher-order op's body (activation checkpoint, ``autograd.Function``) counts once per
-    call of it, as it runs, whether or not several calls share one body module.
-    """
-
-    def count(gm: torch.fx.GraphModule) -> int:
-        total = 0
-        for node in gm.graph.nodes:
-            total += node.op == "call_function" and name in str(node.target)
-            for arg in node.args if node.op == "call_function" else ():
-                if isinstance(arg, torch.fx.Node) and arg.op == "get_attr":
-                    body = getattr(gm, str(arg.target), None)
-                    total += count(body) if isinstance(body, torch.fx.GraphModule) else 0
-        return total
-
-    return sum(count(gm) for gm in graphs)
+    return sum(c.name.startswith("all_gather") for gm in graphs for c in iter_collectives(gm, into_subgraphs=True))
 
 
 # ---- several processes: gloo on loopback ---------------------------------------

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import op_calls, run_parts_on_ranks
+from helpers import all_gathers, run_parts_on_ranks
 
 pytestmark = pytest.mark.gloo
 
@@ -46,7 +46,7 @@ def _fsdp_state_after_compiled_forward(rank: int, world: int) -> dict:
         "param_shapes": [tuple(p.to_local().shape) for p in net.parameters()],
         "frames": len(frames),
         # the gathers sit in subgraphs (activation checkpoint, autograd.Function forward)
-        "all_gathers": op_calls(frames, "all_gather"),
+        "all_gathers": all_gathers(frames),
     }
 
 

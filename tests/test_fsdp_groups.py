@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import CountingBackend, op_calls
+from helpers import CountingBackend, all_gathers
 from torch import nn
 
 from dynamo_ext import _compat, graph_breaks
@@ -48,7 +48,7 @@ def _sharded() -> _Head:
 
 
 def _gathers(backend: CountingBackend) -> int:
-    return op_calls(backend.graphs, "all_gather")
+    return all_gathers(backend.graphs)
 
 
 def _left_sharded(net: _Head) -> None:

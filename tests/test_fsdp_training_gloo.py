@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 from fsdp_training import batch, build, diff, saved_bytes, train
-from helpers import CountingBackend, op_calls, run_parts_on_ranks
+from helpers import CountingBackend, all_gathers, run_parts_on_ranks
 
 pytestmark = pytest.mark.gloo
 
@@ -92,7 +92,7 @@ def _train_compiled(rank: int, world: int, cfg: dict[str, Any], compiled_autogra
     compiled = train(net, model, rank, backward=backward, **cfg)
     breaks = sum(compat.dynamo_counters()["graph_break"].values())
     # FSDP2 all-gathers in the forward graphs (inside checkpoint and autograd.Function subgraphs)
-    gathers = op_calls(fwd.graphs, "all_gather")
+    gathers = all_gathers(fwd.graphs)
     return {
         "record": compiled,
         "fwd_graphs": len(fwd.graphs),
