@@ -61,6 +61,7 @@ def _install() -> None:
         aot_rng_order,
         async_collective_inputs,
         block_reuse,
+        block_split,
         collective_check,
         guards,
         inductor_lowerings,
@@ -80,6 +81,7 @@ def _install() -> None:
             async_collective_inputs.install(PATCHES)  # NOTE [grad-requiring AsyncCollectiveTensor inputs]
             ddp_overlap.install(PATCHES)  # NOTE [split for overlap under DDP]
             block_reuse.install(PATCHES)  # NOTE [block reuse]
+            block_split.install(PATCHES)  # NOTE [blocks compiled once]
         except BaseException:
             PATCHES.undo_all()
             raise

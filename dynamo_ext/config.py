@@ -63,4 +63,11 @@ called by ``invoke_subgraph`` at each place, so AOTAutograd traces and Inductor 
 reuse]).  Collectives, DTensor code and higher-order ops stay in the outer graph.  Off by default:
 docs/compile_time.md has the measurements."""
 
+compile_blocks_once: bool = _Config(default=True, env_name_default="DYNAMO_EXT_COMPILE_BLOCKS_ONCE")
+"""Cut each forward graph the plugin traces at the boundaries of its repeated blocks (the items of its longest
+module container) and compile each distinct block once with the backend, reusing that compile for every
+identical block (NOTE [blocks compiled once]).  One Dynamo graph, one set of guards; AOTAutograd and Inductor
+pay for one block whatever the depth.  Applies to ``inductor`` and the AOTAutograd backends (``aot_eager``, ...);
+``False`` (or ``DYNAMO_EXT_COMPILE_BLOCKS_ONCE=0``) hands them the graph whole."""
+
 _install_config_module(sys.modules[__name__])

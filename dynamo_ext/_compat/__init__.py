@@ -31,6 +31,7 @@ module is imported on first use.
 from __future__ import annotations
 
 from .aot import (
+    aot_autograd_backend_class,
     aot_autograd_cache_off,
     aot_backend_module,
     aot_process_inputs,
@@ -72,7 +73,9 @@ from .config_module import (
     install_checked_config_module,
 )
 from .ddp import (
+    allowing_non_fake_inputs,
     backend_swapped,
+    deepcopy_to_fake,
     ddp_first_bucket_bytes,
     ddp_submod_compiler,
     reset_submod_compiler_state,
@@ -95,6 +98,10 @@ from .distributed import (
     tcp_store,
 )
 from .dtensor import (
+    is_device_mesh,
+    dtensor_spec_key,
+    is_placement,
+    local_tensor_of,
     dtensor_new_empty_strided_drops_uneven_shard,
     dtensor_rejects_mixed_partials,
     dtensor_spec_shard_order,
@@ -192,6 +199,7 @@ from .symm_mem import (
     symm_mem_test_mode,
 )
 from .tracing import (
+    tracing_context,
     aten_op,
     destroy_library,
     detect_fake_mode,
@@ -211,6 +219,9 @@ from .tracing import (
 )
 
 __all__ = [
+    "is_device_mesh",
+    "aot_autograd_backend_class",
+    "tracing_context",
     "AttrSource",
     "ConstantVariable",
     "ContextWrappingVariable",
@@ -230,7 +241,12 @@ __all__ = [
     "apply_graph_deduplication",
     "async_collective_tensor_type",
     "aten_op",
+    "allowing_non_fake_inputs",
     "backend_swapped",
+    "deepcopy_to_fake",
+    "dtensor_spec_key",
+    "is_placement",
+    "local_tensor_of",
     "backward_hook_variable_class",
     "cache_custom_autograd_functions",
     "cache_key_pickler_class",

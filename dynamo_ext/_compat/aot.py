@@ -98,3 +98,10 @@ def checkpoint_tags_nested_ops() -> bool:
     graph nodes.
     """
     return optional_attr("torch._higher_order_ops.wrap", "_always_prefer_recompute") is not None
+
+
+def aot_autograd_backend_class() -> Any:
+    """``torch._dynamo.backends.common.AotAutograd``: the callable every AOTAutograd-based backend (``aot_eager``,
+    ``aot_eager_decomp_partition``, ``aot_autograd(...)``) is; its ``__call__(gm, example_inputs)`` compiles a
+    Dynamo graph."""
+    return importlib.import_module("torch._dynamo.backends.common").AotAutograd

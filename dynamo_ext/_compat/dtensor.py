@@ -117,3 +117,31 @@ def dtensor_spec_shard_order(spec: Any) -> Any:
     guard, so ``None`` stands for it.
     """
     return getattr(spec, "shard_order", None)
+
+
+def is_placement(value: Any) -> bool:
+    """Whether ``value`` is a DTensor placement (``Shard``, ``Replicate``, ``Partial``, ``_StridedShard``)."""
+    from torch.distributed.tensor.placement_types import Placement
+
+    return isinstance(value, Placement)
+
+
+def is_device_mesh(value: Any) -> bool:
+    """Whether ``value`` is a ``DeviceMesh`` (its ``==`` compares the ranks, device type and axis names)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    return isinstance(value, DeviceMesh)
+
+
+def dtensor_spec_key(value: Any) -> Any:
+    """A DTensor's layout as a hashable key: ``(mesh, placements, global shape, global stride)``; None for any
+    other value.  The mesh compares by ``DeviceMesh.__eq__``: two slices of one mesh along the same axis are equal."""
+    spec = getattr(value, "_spec", None)
+    if spec is None or not hasattr(value, "_local_tensor"):
+        return None
+    return (spec.mesh, repr(tuple(spec.placements)), tuple(spec.shape), tuple(spec.stride))
+
+
+def local_tensor_of(value: Any) -> Any:
+    """A DTensor's local tensor; any other tensor itself."""
+    return getattr(value, "_local_tensor", value)

@@ -151,3 +151,8 @@ def invoke_subgraph_op() -> Any:
 def destroy_library(lib: torch.library.Library) -> None:
     """Remove every definition and implementation ``lib`` registered (``Library._destroy``)."""
     lib._destroy()
+
+
+def tracing_context() -> Any:
+    """The active ``torch._guards.TracingContext`` (Dynamo's, while it compiles a frame); None outside one."""
+    return torch._guards.TracingContext.try_get()

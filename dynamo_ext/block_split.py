@@ -1,0 +1,327 @@
+"""Identical blocks compiled once: the one Dynamo graph split at block boundaries, one compile per distinct block.
+
+NOTE [blocks compiled once]
+The plugin traces an FSDP2 (+ TP) model into one Dynamo graph, so AOTAutograd
+and Inductor would see every one of its N identical blocks.  Before the
+backend runs, this module cuts that graph at the boundaries of the items of
+its longest module container (``layers[0]``, ``layers[1]``, ...) into
+submodules called in order, as DDPOptimizer cuts at its buckets, and compiles
+each with the user's backend through DDPOptimizer's ``SubmodCompiler``; a
+submodule identical to one already compiled (:func:`structural_key`: the same
+nodes, targets and constants, operands of the same metadata, the same
+aliasing among its inputs) is given that compiled callable instead of a new
+compile.  AOTAutograd and Inductor then pay for one block whatever the depth.
+Dynamo still traces every block (one frame, one set of guards, no graph
+break), and the step keeps its one Dynamo graph.
+
+Where the cuts are depends only on the graph's ops (their order and targets,
+not shapes), the same on every rank of a job whose ranks trace the same graph
+(the collective check compares them); which compiled callable a submodule
+runs may differ between ranks (an uneven shard makes one rank's block
+differ), but two submodules share a callable only when their graphs are
+identical, so each rank runs the collectives its graph holds.  The bucketing
+pass and the fusion lowerings see one submodule at a time: a bucket never
+crosses a block boundary (as with per-block compilation).
+
+The backward runs as one compiled backward per submodule, chained by
+autograd, as DDPOptimizer's are; AOTAutograd compiles a shared submodule's
+backward once.  Under compiled autograd the backward is traced whole as before.
+"""
+
+from __future__ import annotations
+
+import bisect
+import functools
+import logging
+import re
+import threading
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.fx
+
+from . import _compat, config
+from ._patching import Patcher
+
+log = logging.getLogger(__name__)
+
+_ITEM = re.compile(r"^(?P<container>.*?)(?:\[(?P<a>\d+)\]|\.(?P<b>\d+)|\['(?P<c>\d+)'\])$")
+
+
+def _item_of(node: torch.fx.Node) -> tuple[str, int] | None:
+    """``(container path, index)`` of the outermost container item in ``node``'s module stack; None."""
+    for path, _cls in (node.meta.get("nn_module_stack") or {}).values():
+        if not isinstance(path, str):
+            continue
+        m = _ITEM.match(path)
+        if m is not None:
+            return m.group("container"), int(m.group("a") or m.group("b") or m.group("c"))
+    return None
+
+
+def _target_name(target: Any) -> str:
+    if isinstance(target, str):
+        return target
+    return f"{getattr(target, '__module__', '')}.{getattr(target, '__qualname__', None) or getattr(target, '__name__', repr(type(target)))}"
+
+
+def _op_signature(gm: torch.fx.GraphModule, nodes: list[torch.fx.Node]) -> tuple[Any, ...]:
+    """The ops of ``nodes`` in order (op kind and target, a body's own ops): equal on every rank for the same code."""
+    out = []
+    for n in nodes:
+        if n.op == "get_attr":
+            attr = getattr(gm, str(n.target), None)
+            if isinstance(attr, torch.fx.GraphModule):
+                out.append(("body", _op_signature(attr, list(attr.graph.nodes))))
+            else:
+                out.append(("get_attr",))
+        else:
+            out.append((n.op, _target_name(n.target) if n.op != "placeholder" else ""))
+    return tuple(out)
+
+
+def block_partition(gm: torch.fx.GraphModule) -> dict[torch.fx.Node, int] | None:
+    """Each node's submodule index: 0 before the first block, ``i + 1`` for block ``i``, then one after the last.
+
+    The blocks are the items of the container with the most items in the graph's module stacks; block ``i``
+    runs from its first node to the first node of block ``i + 1`` and the last block over as many nodes as the
+    one before it when their ops are the same (so trailing nodes without a module stack stay with it).  None
+    when the graph has no container of at least two items whose ops repeat, or its blocks do not follow
+    one another in graph order.
+    """
+    nodes = list(gm.graph.nodes)
+    first: dict[tuple[str, int], int] = {}
+    last: dict[tuple[str, int], int] = {}
+    for i, n in enumerate(nodes):
+        if n.op in ("placeholder", "output"):
+            continue
+        item = _item_of(n)
+        if item is not None:
+            first.setdefault(item, i)
+            last[item] = i
+    per_container = Counter(c for c, _ in first)
+    if not per_container:
+        return None
+    container, count = per_container.most_common(1)[0]
+    if count < 2:
+        return None
+    items = sorted((first[k], last[k], k[1]) for k in first if k[0] == container)
+    starts = [s for s, _, _ in items]
+    ends = [starts[i + 1] for i in range(len(items) - 1)]
+    # The last block: as long as the one before it when their ops agree, else up to its own last node.
+    prev_len = ends[-1] - starts[-2]
+    tail = nodes[starts[-1] : starts[-1] + prev_len]
+    if len(tail) == prev_len and _op_signature(gm, tail) == _op_signature(gm, nodes[starts[-2] : ends[-1]]):
+        ends.append(starts[-1] + prev_len)
+    else:
+        ends.append(items[-1][1] + 1)
+    for (s, e, _), end in zip(items, ends, strict=True):
+        if e >= end:  # a block's node after the next block began: not one block after another
+            log.info("blocks compiled once: %s's blocks interleave in the graph; compiled as one graph", container)
+            return None
+    sigs = Counter(_op_signature(gm, nodes[s:e]) for s, e in zip(starts, ends, strict=True))
+    if sigs.most_common(1)[0][1] < 2:
+        log.info("blocks compiled once: no two of %s's %d blocks have the same ops; one graph", container, count)
+        return None
+    # Submodule 0 before the first block, k + 1 for block k (blocks abut: ends[k] == starts[k + 1]), then one more.
+    partition: dict[torch.fx.Node, int] = {}
+    for i, n in enumerate(nodes):
+        partition[n] = 0 if i < starts[0] else len(starts) + 1 if i >= ends[-1] else bisect.bisect_right(starts, i)
+    return partition
+
+
+_VALUE_TYPES = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.memory_format, torch.layout)
+
+
+def _constant_key(value: Any) -> Any:
+    """A value of a node's arguments as a key: by value for plain data, placements and device meshes, by identity
+    otherwise (a function, a process group, a module: equal only when the same object)."""
+    if isinstance(value, torch.fx.Node):
+        raise AssertionError("nodes are keyed by position")
+    if isinstance(value, _VALUE_TYPES):
+        return (type(value).__name__, value)
+    if isinstance(value, list | tuple):
+        return (type(value).__name__, tuple(_constant_key(v) for v in value))
+    if isinstance(value, dict):
+        return ("dict", tuple((k, _constant_key(v)) for k, v in value.items()))
+    if isinstance(value, slice):
+        return ("slice", _constant_key((value.start, value.stop, value.step)))
+    if isinstance(value, torch._ops.OpOverload | torch._ops.OpOverloadPacket | torch._ops.HigherOrderOperator):
+        return ("op", str(value))
+    if _compat.is_placement(value):
+        return ("placement", repr(value))
+    if _compat.is_device_mesh(value):
+        return ("mesh", value)
+    return ("object", type(value).__qualname__, id(value))
+
+
+def _tensor_key(value: Any) -> Any:
+    if not isinstance(value, torch.Tensor):
+        return _constant_key(value)
+    spec = _compat.dtensor_spec_key(value)
+    return (
+        type(value).__qualname__,
+        tuple(value.shape),
+        tuple(value.stride()),
+        value.storage_offset() if spec is None else None,
+        value.dtype,
+        value.device,
+        value.requires_grad,
+        spec,
+    )
+
+
+def _graph_key(gm: torch.fx.GraphModule) -> tuple[Any, ...]:
+    index: dict[torch.fx.Node, int] = {}
+    out: list[Any] = []
+
+    def arg(a: Any) -> Any:
+        if isinstance(a, torch.fx.Node):
+            return ("node", index[a])
+        if isinstance(a, list | tuple):
+            return (type(a).__name__, tuple(arg(x) for x in a))
+        if isinstance(a, dict):
+            return ("dict", tuple((k, arg(v)) for k, v in a.items()))
+        return _constant_key(a)
+
+    for n in gm.graph.nodes:
+        index[n] = len(index)
+        if n.op in ("get_attr", "call_module"):
+            sub = gm.get_submodule(str(n.target)) if n.op == "call_module" else getattr(gm, str(n.target))
+            if isinstance(sub, torch.fx.GraphModule):
+                target = ("graph", _graph_key(sub))
+            elif isinstance(sub, torch.Tensor):
+                target = ("tensor", id(sub))
+            else:
+                target = ("object", id(sub))
+        elif n.op == "placeholder":
+            target = None
+        else:
+            target = ("fn", id(n.target), _target_name(n.target)) if callable(n.target) else ("name", n.target)
+        out.append((n.op, target, arg(n.args), arg(n.kwargs)))
+    return tuple(out)
+
+
+def structural_key(gm: torch.fx.GraphModule, inputs: list[Any]) -> tuple[Any, ...]:
+    """What a compiled submodule depends on: its graph (ops, targets, constants, bodies) and its inputs'
+    metadata (type, shape, stride, dtype, device, ``requires_grad``, a DTensor's mesh and placements) and which
+    of them share storage.  Two submodules with equal keys compute the same function of their inputs."""
+    storages: dict[Any, int] = {}
+    alias = []
+    for x in inputs:
+        if isinstance(x, torch.Tensor):
+            local = _compat.local_tensor_of(x)
+            alias.append(storages.setdefault(local.untyped_storage()._cdata, len(storages)))
+        else:
+            alias.append(None)
+    return (_graph_key(gm), tuple(_tensor_key(x) for x in inputs), tuple(alias))
+
+
+_state = threading.local()
+
+
+def compile_blocks(
+    gm: torch.fx.GraphModule,
+    partition: dict[torch.fx.Node, int],
+    example_inputs: list[Any],
+    compile_one: Callable[[torch.fx.GraphModule, list[Any]], Any],
+) -> torch.fx.GraphModule:
+    """Split ``gm`` by ``partition`` and compile each submodule with ``compile_one``, once per structural key.
+
+    Returns the split GraphModule, its submodules replaced by compiled callables (DDPOptimizer's
+    ``SubmodCompiler`` drives the compiles and passes fake outputs from one submodule to the next).
+    """
+    from torch.fx.passes.split_module import split_module
+
+    split = split_module(gm, gm, lambda n: partition[n], keep_original_order=True)
+    submod_compiler, propagate_dynamo_source, propagate_metadata = _compat.ddp_submod_compiler()
+    propagate_dynamo_source(gm, split)
+    propagate_metadata(gm, split)
+    fake_mode = _compat.fake_mode_of(example_inputs)
+    compiled: dict[Any, Any] = {}
+    stats = {"compiled": 0, "reused": 0}
+
+    class _Once(submod_compiler):  # type: ignore[misc, valid-type]
+        def run_node(self, n: torch.fx.Node) -> Any:
+            if n.op != "call_module":
+                return super().run_node(n)
+            args, _ = self.fetch_args_kwargs_from_env(n)
+            fake_args = [_compat.to_fake(self.fake_mode, a) for a in args]
+            sub = self.fetch_attr(str(n.target))
+            key = structural_key(sub, fake_args)
+            hit = compiled.get(key)
+            if hit is None:
+                out = super().run_node(n)
+                compiled[key] = self.fetch_attr(str(n.target))
+                stats["compiled"] += 1
+                return out
+            stats["reused"] += 1
+            log.debug("blocks compiled once: %s runs the compile of an identical submodule", n.target)
+            fake_sub = _compat.deepcopy_to_fake(sub, self.fake_mode)
+            self.module.delete_submodule(str(n.target))
+            n.target = "compiled_" + str(n.target)
+            self.module.add_submodule(str(n.target), hit)
+            with _compat.allowing_non_fake_inputs(self.fake_mode):
+                return fake_sub(*fake_args)
+
+    _state.splitting = True
+    try:
+        with _compat.saved_tensors_hooks_off_during_tracing():
+            _Once(split, compile_one, fake_mode).run(*[_compat.to_fake(fake_mode, x) for x in example_inputs])
+    finally:
+        _state.splitting = False
+    split.recompile()
+    log.info(
+        "blocks compiled once: %d submodules, %d compiled, %d running an identical block's compile",
+        stats["compiled"] + stats["reused"],
+        stats["compiled"],
+        stats["reused"],
+    )
+    return split
+
+
+def _partition_for(gm: Any, example_inputs: Any) -> dict[torch.fx.Node, int] | None:
+    """The block partition of a graph handed to a backend entry, or None to compile it whole."""
+    if not config.compile_blocks_once or getattr(_state, "splitting", False):
+        return None
+    if not isinstance(gm, torch.fx.GraphModule) or any(isinstance(x, list | tuple | dict) for x in example_inputs):
+        return None
+    if _compat.compiling_compiled_autograd_graph():
+        return None
+    ctx = _compat.tracing_context()
+    if ctx is None or getattr(ctx, "ddp_optimizer_ctx", None) is not None:  # no Dynamo, or DDPOptimizer's split
+        return None
+    return block_partition(gm)
+
+
+def _wrapped_compile_fx(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def compile_fx(model_: Any, example_inputs_: Any, *args: Any, **kwargs: Any) -> Any:
+        partition = _partition_for(model_, example_inputs_)
+        if partition is None:
+            return original(model_, example_inputs_, *args, **kwargs)
+        return compile_blocks(model_, partition, example_inputs_, lambda g, i: original(g, i, *args, **kwargs))
+
+    return compile_fx
+
+
+def _wrapped_aot_autograd_call(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def __call__(self: Any, gm: Any, example_inputs: Any, **kwargs: Any) -> Any:
+        partition = _partition_for(gm, example_inputs)
+        if partition is None:
+            return original(self, gm, example_inputs, **kwargs)
+        return compile_blocks(gm, partition, example_inputs, lambda g, i: original(self, g, i, **kwargs))
+
+    return __call__
+
+
+def install(patches: Patcher) -> None:
+    """Route the graphs Dynamo hands to Inductor and to AOTAutograd's backends through the block split
+    (NOTE [blocks compiled once])."""
+    module = _compat.compile_fx_module()
+    patches.setattr(module, "compile_fx", _wrapped_compile_fx(module.compile_fx))
+    owner = _compat.aot_autograd_backend_class()
+    patches.setattr(owner, "__call__", _wrapped_aot_autograd_call(owner.__call__))

@@ -1,0 +1,144 @@
+"""Identical blocks compiled once (NOTE [blocks compiled once]) on the fake process group.
+
+What the split decides and what the backend sees: one Dynamo graph handed to the backend, one AOTAutograd
+compile per distinct block.  Numerics against eager FSDP2 (and FSDP over TP) on gloo ranks:
+``test_block_split_gloo.py``, and every gloo test that compiles with ``aot_eager`` or ``inductor`` (the split is
+on by default).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import pytest
+import torch
+from fsdp_training import batch, build
+from helpers import CountingBackend
+
+from dynamo_ext import block_split
+
+
+def _aot_compiles() -> int:
+    from torch._dynamo.utils import counters
+
+    return counters["aot_autograd"]["total"]
+
+
+def _compile_step(model: torch.nn.Module, x: torch.Tensor, backend: str = "aot_eager") -> tuple[CountingBackend, int]:
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    counting = CountingBackend(backend)
+    out = torch.compile(model, backend=counting, fullgraph=True)(x)
+    out.float().sum().backward()
+    return counting, _aot_compiles()
+
+
+@pytest.mark.parametrize("blocks", [3, 6])
+def test_identical_blocks_are_compiled_once_whatever_the_depth(world, caplog, blocks):
+    net = build(4, inners=(6,) * blocks)
+    with caplog.at_level(logging.INFO, logger=block_split.__name__):
+        counting, aot = _compile_step(net, batch(0, 0))
+    # Dynamo's one graph reaches the backend once; AOTAutograd compiles the part before the blocks, one block
+    # and the part after them (the first call of a counting backend is the frame, not the blocks).
+    assert len(counting.graphs) == 1
+    assert aot == 3, aot
+    assert f"{blocks + 2} submodules, 3 compiled, {blocks - 1} running an identical block's compile" in caplog.text
+
+
+def test_switch_off_compiles_the_graph_whole(world):
+    import dynamo_ext
+
+    net = build(4, inners=(6, 6, 6))
+    with dynamo_ext.config.patch(compile_blocks_once=False):
+        counting, aot = _compile_step(net, batch(0, 0))
+    assert len(counting.graphs) == 1 and aot == 1
+
+
+def test_a_block_that_differs_gets_its_own_compile(world, caplog):
+    net = build(4, inners=(6, 6, 8, 6))  # block 2 is wider: its own compile; blocks 1 and 3 run block 0's
+    with caplog.at_level(logging.INFO, logger=block_split.__name__):
+        _, aot = _compile_step(net, batch(0, 0))
+    assert aot == 4, aot
+    assert "6 submodules, 4 compiled, 2 running an identical block's compile" in caplog.text
+
+
+def test_a_graph_without_repeated_blocks_is_not_split(world):
+    net = build(4, inners=(6,))
+    _, aot = _compile_step(net, batch(0, 0))
+    assert aot == 1
+
+
+def test_partition_cuts_at_each_block_and_is_the_same_for_other_shapes(world):
+    graphs = []
+
+    def keep(gm: torch.fx.GraphModule, _inputs: Any) -> Any:
+        graphs.append(gm)
+        return gm.forward
+
+    for hidden in (10, 14):  # another width: other shapes, the same ops, so the same cuts
+        torch._dynamo.reset()
+        net = build(4, inners=(6, 6, 6), hidden=hidden)
+        torch.compile(net, backend=keep, fullgraph=True)(batch(0, 0, hidden=hidden))
+    cuts = []
+    for gm in graphs:
+        partition = block_split.block_partition(gm)
+        assert partition is not None
+        parts = [partition[n] for n in gm.graph.nodes]
+        assert parts == sorted(parts) and set(parts) == {0, 1, 2, 3, 4}
+        # every node of block i (by its module stack) is in submodule i + 1
+        for n in gm.graph.nodes:
+            item = block_split._item_of(n) if n.op.startswith("call") else None
+            if item is not None and item[0].endswith("blocks"):
+                assert partition[n] == item[1] + 1, (n, item)
+        cuts.append([i for i, n in enumerate(gm.graph.nodes) if i and parts[i] != parts[i - 1]])
+    assert cuts[0] == cuts[1]
+
+
+def test_structural_key_tells_shapes_dtypes_placements_and_aliasing_apart():
+    graph = torch.fx.Graph()
+    a, b = graph.placeholder("a"), graph.placeholder("b")
+    graph.output(graph.call_function(torch.add, (a, b)))
+    gm = torch.fx.GraphModule(torch.nn.Module(), graph)
+    x, y = torch.randn(2, 3), torch.randn(2, 3)
+    key = block_split.structural_key(gm, [x, y])
+    assert key == block_split.structural_key(gm, [torch.randn(2, 3), torch.randn(2, 3)])
+    assert key != block_split.structural_key(gm, [x, torch.randn(3, 2)])  # shape
+    assert key != block_split.structural_key(gm, [x, y.double()])  # dtype
+    assert key != block_split.structural_key(gm, [x, y.t().contiguous().t()])  # stride
+    assert key != block_split.structural_key(gm, [x, y.requires_grad_()])  # requires_grad
+    assert key != block_split.structural_key(gm, [x, x])  # the same tensor twice: aliasing differs
+    other = torch.fx.Graph()
+    a, b = other.placeholder("a"), other.placeholder("b")
+    other.output(other.call_function(torch.sub, (a, b)))
+    assert key != block_split.structural_key(torch.fx.GraphModule(torch.nn.Module(), other), [x, y])  # target
+
+
+def test_structural_key_tells_dtensor_placements_apart(world):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (4,))
+    graph = torch.fx.Graph()
+    graph.output(graph.placeholder("a"))
+    gm = torch.fx.GraphModule(torch.nn.Module(), graph)
+    t = torch.randn(8, 4)
+    shard, replicate = distribute_tensor(t, mesh, [Shard(0)]), distribute_tensor(t, mesh, [Replicate()])
+    assert block_split.structural_key(gm, [shard]) == block_split.structural_key(
+        gm, [distribute_tensor(torch.randn(8, 4), mesh, [Shard(0)])]
+    )
+    assert block_split.structural_key(gm, [shard]) != block_split.structural_key(gm, [replicate])
+
+
+def test_uninstall_restores_the_backend_entries():
+    import dynamo_ext
+    from dynamo_ext import _compat
+
+    entries = (_compat.compile_fx_module().compile_fx, _compat.aot_autograd_backend_class().__call__)
+    dynamo_ext.install()
+    try:
+        assert _compat.aot_autograd_backend_class().__call__ is not entries[1]
+    finally:
+        dynamo_ext.uninstall()
+    assert (_compat.compile_fx_module().compile_fx, _compat.aot_autograd_backend_class().__call__) == entries
