@@ -19,8 +19,10 @@ Ways:
 - ``stock``: ``torch.compile(model)`` without the plugin (Dynamo breaks at each FSDP2 block);
 - ``per-block``: stock ``torch.compile`` on each block (torchtitan's way; FSDP2's hooks
   stay eager around the compiled blocks): the reference of the ratios;
-- ``plugin``: ``dynamo_ext.install()``, ``torch.compile(model)``: one graph;
-- ``plugin+reuse``: the same with ``dynamo_ext.config.block_reuse`` on (docs/compile_time.md);
+- ``plugin``: ``dynamo_ext.install()``, ``torch.compile(model)``: one Dynamo graph, each distinct block
+  compiled once (``dynamo_ext.config.compile_blocks_once``, the default; docs/compile_time.md);
+- ``plugin-whole``: the same with ``compile_blocks_once`` off: the one graph compiled whole;
+- ``plugin+reuse``: ``plugin-whole`` with ``dynamo_ext.config.block_reuse`` on (docs/compile_time.md);
 - ``plugin-per-block``: ``dynamo_ext.install()``, then ``torch.compile`` on each block as ``per-block``:
   a graph per block (the plugin's lowerings and collective check on TP's collectives), FSDP2's
   hooks eager between them (docs/compile_time.md, "Deep models today").
@@ -48,7 +50,7 @@ from typing import Any
 
 from _common import bundled_llama, cold_and_warm, launch_on_ranks, llama_loss, max_over_ranks
 
-WAYS = ("stock", "per-block", "plugin", "plugin+reuse", "plugin-per-block")
+WAYS = ("stock", "per-block", "plugin", "plugin-whole", "plugin+reuse", "plugin-per-block")
 BACKWARDS = ("eager", "CA")
 REFERENCE = "per-block"
 
@@ -67,6 +69,7 @@ def _rank_main(layers: int, way: str, backward: str, steps: int, backend: str, f
         if way.startswith("plugin"):
             dynamo_ext.install()
         dynamo_ext.config.block_reuse = way == "plugin+reuse"
+        dynamo_ext.config.compile_blocks_once = way == "plugin"
         model, cfg, tokens = bundled_llama(layers, fsdp_only=fsdp_only)
         optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
         if way.endswith("per-block"):
@@ -97,6 +100,7 @@ def _rank_main(layers: int, way: str, backward: str, steps: int, backend: str, f
         return {"first_s": first, "step_s": statistics.median(times) if times else float("nan"), "loss": loss}
     finally:
         dynamo_ext.config.block_reuse = False
+        dynamo_ext.config.compile_blocks_once = True
         dynamo_ext.uninstall()
         dist.destroy_process_group()
 
@@ -111,8 +115,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         description="Time to the first training step (compile included) and steady step time of the bundled "
-        "Llama on gloo ranks, cold and warm caches: stock torch.compile, stock per-block compile, the plugin, "
-        "the plugin with block reuse, the plugin with per-block compile.",
+        "Llama on gloo ranks, cold and warm caches: stock torch.compile, stock per-block compile, the plugin "
+        "(blocks compiled once, or the graph whole), the plugin with block reuse, the plugin with per-block compile.",
         epilog="Ratios are to per-block with the eager backward at the same number of layers. CA (compiled "
         "autograd) runs for the plugin only: stock leaves FSDP2's gradients unreduced under it and block reuse "
         "refuses it.",
@@ -124,7 +128,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=list(WAYS),
         choices=WAYS,
         help="stock: torch.compile(model); per-block: torch.compile on each block's forward; plugin: "
-        "dynamo_ext.install() then torch.compile(model); plugin+reuse: the same with config.block_reuse on",
+        "dynamo_ext.install() then torch.compile(model), each distinct block compiled once; plugin-whole: the "
+        "one graph compiled whole (config.compile_blocks_once off); plugin+reuse: plugin-whole with "
+        "config.block_reuse on",
     )
     parser.add_argument(
         "--backwards",

@@ -117,8 +117,8 @@ def block_partition(gm: torch.fx.GraphModule) -> dict[torch.fx.Node, int] | None
         ends.append(starts[-1] + prev_len)
     else:
         ends.append(items[-1][1] + 1)
-    for (s, e, _), end in zip(items, ends, strict=True):
-        if e >= end:  # a block's node after the next block began: not one block after another
+    for (_, last_node, _), end in zip(items, ends, strict=True):
+        if last_node >= end:  # a block's node after the next block began: not one block after another
             log.info("blocks compiled once: %s's blocks interleave in the graph; compiled as one graph", container)
             return None
     sigs = Counter(_op_signature(gm, nodes[s:e]) for s, e in zip(starts, ends, strict=True))
@@ -129,7 +129,30 @@ def block_partition(gm: torch.fx.GraphModule) -> dict[torch.fx.Node, int] | None
     partition: dict[torch.fx.Node, int] = {}
     for i, n in enumerate(nodes):
         partition[n] = 0 if i < starts[0] else len(starts) + 1 if i >= ends[-1] else bisect.bisect_right(starts, i)
+    _sink_into_consumers(nodes, partition)
     return partition
+
+
+def _sink_into_consumers(nodes: list[torch.fx.Node], partition: dict[torch.fx.Node, int]) -> None:
+    """Move each pure node before the first block whose users all sit in one submodule after the first block
+    (the part after the blocks, for FSDP2's root parameters) into that one.
+
+    NOTE [values that would cross a cut]
+    A value made before the blocks and read only after them (FSDP2's root gathers its parameters in its
+    pre-forward, the output projection reads them at the end) would be an output of the first submodule and
+    an input of the last: the last one's backward would save it, where the one graph's partitioner
+    recomputes it (FSDP2's re-gather in backward).  Moved to its reader, it is recomputed there as before.
+    Only nodes without side effects move (``Node.is_impure``: no random op, no in-place method); the moves
+    depend on the graph's ops alone, the same on every rank.
+    """
+    for n in reversed(nodes):
+        if partition[n] != 0 or not n.users or n.op not in ("call_function", "call_method", "get_attr"):
+            continue
+        if n.is_impure() or (n.op == "call_method" and str(n.target).endswith("_")):
+            continue
+        readers = {partition[u] for u in n.users}
+        if len(readers) == 1 and (target := readers.pop()) > 1:  # not into the first block: it reads h anyway
+            partition[n] = target
 
 
 _VALUE_TYPES = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.memory_format, torch.layout)
@@ -222,6 +245,29 @@ def structural_key(gm: torch.fx.GraphModule, inputs: list[Any]) -> tuple[Any, ..
 _state = threading.local()
 
 
+class _Compiled(torch.nn.Module):
+    """A submodule's compiled callable, called as the submodule was (a single output unwrapped)."""
+
+    def __init__(self, fn: Callable[..., Any], single_output: bool) -> None:
+        super().__init__()
+        self.fn = fn
+        self.single_output = single_output
+
+    def forward(self, *args: Any) -> Any:
+        out = self.fn(*args)
+        return out[0] if self.single_output else out
+
+
+def _returns_tuple(sub: torch.fx.GraphModule) -> bool:
+    """Make ``sub`` return a tuple (what AOTAutograd compiles); whether it returned a single value."""
+    output = next(n for n in reversed(sub.graph.nodes) if n.op == "output")
+    if isinstance(output.args[0], tuple | list):
+        return False
+    output.args = ((output.args[0],),)
+    sub.recompile()
+    return True
+
+
 def compile_blocks(
     gm: torch.fx.GraphModule,
     partition: dict[torch.fx.Node, int],
@@ -230,54 +276,56 @@ def compile_blocks(
 ) -> torch.fx.GraphModule:
     """Split ``gm`` by ``partition`` and compile each submodule with ``compile_one``, once per structural key.
 
-    Returns the split GraphModule, its submodules replaced by compiled callables (DDPOptimizer's
-    ``SubmodCompiler`` drives the compiles and passes fake outputs from one submodule to the next).
+    Submodules are visited in order with fake values: each one's outputs come from running it on its fake
+    inputs before it is compiled (its strides are eager's; Inductor keeps a graph's output strides,
+    ``keep_output_stride``), and each compile runs in its own copy of Dynamo's ``TracingContext``, so the
+    forward metadata AOTAutograd leaves there is the one its lazily compiled backward reads.  Returns the
+    split GraphModule, each ``call_module`` calling a compiled callable.
     """
     from torch.fx.passes.split_module import split_module
 
-    split = split_module(gm, gm, lambda n: partition[n], keep_original_order=True)
-    submod_compiler, propagate_dynamo_source, propagate_metadata = _compat.ddp_submod_compiler()
+    split = split_module(gm, gm, lambda n: partition[n])  # partitions in topological order
+    _, propagate_dynamo_source, propagate_metadata = _compat.ddp_submod_compiler()
     propagate_dynamo_source(gm, split)
     propagate_metadata(gm, split)
     fake_mode = _compat.fake_mode_of(example_inputs)
-    compiled: dict[Any, Any] = {}
-    stats = {"compiled": 0, "reused": 0}
-
-    class _Once(submod_compiler):  # type: ignore[misc, valid-type]
-        def run_node(self, n: torch.fx.Node) -> Any:
-            if n.op != "call_module":
-                return super().run_node(n)
-            args, _ = self.fetch_args_kwargs_from_env(n)
-            fake_args = [_compat.to_fake(self.fake_mode, a) for a in args]
-            sub = self.fetch_attr(str(n.target))
-            key = structural_key(sub, fake_args)
-            hit = compiled.get(key)
-            if hit is None:
-                out = super().run_node(n)
-                compiled[key] = self.fetch_attr(str(n.target))
-                stats["compiled"] += 1
-                return out
-            stats["reused"] += 1
-            log.debug("blocks compiled once: %s runs the compile of an identical submodule", n.target)
-            fake_sub = _compat.deepcopy_to_fake(sub, self.fake_mode)
-            self.module.delete_submodule(str(n.target))
-            n.target = "compiled_" + str(n.target)
-            self.module.add_submodule(str(n.target), hit)
-            with _compat.allowing_non_fake_inputs(self.fake_mode):
-                return fake_sub(*fake_args)
-
+    compiled: dict[Any, _Compiled] = {}
+    reused = 0
+    env: dict[torch.fx.Node, Any] = {}
+    inputs = iter(_compat.to_fake(fake_mode, x) for x in example_inputs)
     _state.splitting = True
     try:
         with _compat.saved_tensors_hooks_off_during_tracing():
-            _Once(split, compile_one, fake_mode).run(*[_compat.to_fake(fake_mode, x) for x in example_inputs])
+            for n in split.graph.nodes:
+                if n.op == "placeholder":
+                    env[n] = next(inputs)
+                elif n.op == "call_module":
+                    sub = split.get_submodule(str(n.target))
+                    args = [env[a] for a in n.args]
+                    key = structural_key(sub, args)
+                    single = _returns_tuple(sub)
+                    with _compat.allowing_non_fake_inputs(fake_mode):
+                        out = sub(*args)
+                    env[n] = out[0] if single else out
+                    hit = compiled.get(key)
+                    if hit is None:
+                        with _compat.own_tracing_context():
+                            hit = compiled[key] = _Compiled(compile_one(sub, args), single)
+                    else:
+                        reused += 1
+                        log.debug("blocks compiled once: %s runs the compile of an identical submodule", n.target)
+                    setattr(split, str(n.target), hit)
+                elif n.op == "call_function":
+                    fn_args, fn_kwargs = torch.fx.node.map_arg((n.args, n.kwargs), lambda a: env[a])
+                    env[n] = n.target(*fn_args, **fn_kwargs)
     finally:
         _state.splitting = False
     split.recompile()
     log.info(
         "blocks compiled once: %d submodules, %d compiled, %d running an identical block's compile",
-        stats["compiled"] + stats["reused"],
-        stats["compiled"],
-        stats["reused"],
+        len(compiled) + reused,
+        len(compiled),
+        reused,
     )
     return split
 
@@ -289,6 +337,9 @@ def _partition_for(gm: Any, example_inputs: Any) -> dict[torch.fx.Node, int] | N
     if not isinstance(gm, torch.fx.GraphModule) or any(isinstance(x, list | tuple | dict) for x in example_inputs):
         return None
     if _compat.compiling_compiled_autograd_graph():
+        return None
+    if any(n.op == "call_function" and n.target is _compat.invoke_subgraph_op() for n in gm.graph.nodes):
+        log.info("blocks compiled once: the graph already shares regions (invoke_subgraph); compiled whole")
         return None
     ctx = _compat.tracing_context()
     if ctx is None or getattr(ctx, "ddp_optimizer_ctx", None) is not None:  # no Dynamo, or DDPOptimizer's split
@@ -309,13 +360,13 @@ def _wrapped_compile_fx(original: Callable[..., Any]) -> Callable[..., Any]:
 
 def _wrapped_aot_autograd_call(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
-    def __call__(self: Any, gm: Any, example_inputs: Any, **kwargs: Any) -> Any:
+    def call(self: Any, gm: Any, example_inputs: Any, **kwargs: Any) -> Any:
         partition = _partition_for(gm, example_inputs)
         if partition is None:
             return original(self, gm, example_inputs, **kwargs)
         return compile_blocks(gm, partition, example_inputs, lambda g, i: original(self, g, i, **kwargs))
 
-    return __call__
+    return call
 
 
 def install(patches: Patcher) -> None:

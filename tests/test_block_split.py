@@ -86,13 +86,20 @@ def test_partition_cuts_at_each_block_and_is_the_same_for_other_shapes(world):
         partition = block_split.block_partition(gm)
         assert partition is not None
         parts = [partition[n] for n in gm.graph.nodes]
-        assert parts == sorted(parts) and set(parts) == {0, 1, 2, 3, 4}
+        assert set(parts) == {0, 1, 2, 3, 4}
+        # NOTE [values that would cross a cut]: the root's gather of the output projection's weight moved
+        # from before the blocks to its reader after them; nothing else left its place
+        first_block = parts.index(1)
+        moved = [n for n in list(gm.graph.nodes)[:first_block] if partition[n] != 0]
+        assert moved and all(partition[n] == 4 for n in moved)
+        assert all(partition[u] == 4 for n in moved for u in n.users)
+        assert any("tag_activation_checkpoint" in str(n.target) for n in moved)  # FSDP2's gather
         # every node of block i (by its module stack) is in submodule i + 1
         for n in gm.graph.nodes:
             item = block_split._item_of(n) if n.op.startswith("call") else None
             if item is not None and item[0].endswith("blocks"):
                 assert partition[n] == item[1] + 1, (n, item)
-        cuts.append([i for i, n in enumerate(gm.graph.nodes) if i and parts[i] != parts[i - 1]])
+        cuts.append(parts)
     assert cuts[0] == cuts[1]
 
 

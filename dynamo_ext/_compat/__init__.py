@@ -75,9 +75,9 @@ from .config_module import (
 from .ddp import (
     allowing_non_fake_inputs,
     backend_swapped,
-    deepcopy_to_fake,
     ddp_first_bucket_bytes,
     ddp_submod_compiler,
+    deepcopy_to_fake,
     reset_submod_compiler_state,
     saved_tensors_hooks_off_during_tracing,
 )
@@ -98,16 +98,16 @@ from .distributed import (
     tcp_store,
 )
 from .dtensor import (
-    is_device_mesh,
-    dtensor_spec_key,
-    is_placement,
-    local_tensor_of,
     dtensor_new_empty_strided_drops_uneven_shard,
     dtensor_rejects_mixed_partials,
+    dtensor_spec_key,
     dtensor_spec_shard_order,
     dtensor_strided_shard_shape_materializes_offsets,
     dtensor_to_local_codes,
     implicit_replication,
+    is_device_mesh,
+    is_placement,
+    local_tensor_of,
     mesh_group_names,
     mesh_state_for_cache_key,
     root_mesh,
@@ -199,7 +199,6 @@ from .symm_mem import (
     symm_mem_test_mode,
 )
 from .tracing import (
-    tracing_context,
     aten_op,
     destroy_library,
     detect_fake_mode,
@@ -212,13 +211,16 @@ from .tracing import (
     no_duck_shapes,
     no_tracing_context,
     op_schema,
+    own_tracing_context,
     reparametrize_module,
     symbolic_fake_mode,
     to_fake,
     torch_dispatch_mode_base,
+    tracing_context,
 )
 
 __all__ = [
+    "own_tracing_context",
     "is_device_mesh",
     "aot_autograd_backend_class",
     "tracing_context",

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import importlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -156,3 +159,28 @@ def destroy_library(lib: torch.library.Library) -> None:
 def tracing_context() -> Any:
     """The active ``torch._guards.TracingContext`` (Dynamo's, while it compiles a frame); None outside one."""
     return torch._guards.TracingContext.try_get()
+
+
+@contextlib.contextmanager
+def own_tracing_context() -> Iterator[None]:
+    """Run one of several backend compiles of a Dynamo graph in its own shallow copy of Dynamo's
+    ``TracingContext`` (the same fake mode, guards and module context), with the per-compile fields
+    AOTAutograd and Inductor write (``fw_metadata``, ``output_strides``, DDPOptimizer's ``ddp_optimizer_ctx``
+    and ``fakify_first_call``) cleared.  AOTAutograd keeps the context it compiled a forward in for the lazily
+    compiled backward (``AutogradLazyBackwardCompileInfo.saved_context``), so each backward then reads its own
+    forward's metadata.  Without an active context, nothing is changed."""
+    ctx = torch._guards.TracingContext.try_get()
+    if ctx is None:
+        yield
+        return
+    own = copy.copy(ctx)
+    for name, value in (
+        ("fw_metadata", None),
+        ("output_strides", None),
+        ("ddp_optimizer_ctx", None),
+        ("fakify_first_call", False),
+    ):
+        if hasattr(own, name):
+            setattr(own, name, value)
+    with torch._guards.tracing(own):
+        yield

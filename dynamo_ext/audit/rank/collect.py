@@ -338,6 +338,12 @@ def main(argv: list[str] | None = None) -> int:
         try:
             dynamo_ext.install()
             plugin["installed"] = True
+            if "DYNAMO_EXT_COMPILE_BLOCKS_ONCE" not in os.environ:
+                # NOTE [the audit compiles each graph whole]: a block that runs another block's compile
+                # has no graphs of its own on the structured trace, so its collectives and their modules
+                # would be read from the first block's.  Set the variable to audit the split as it runs.
+                dynamo_ext.config.compile_blocks_once = False
+                log.info("audit: dynamo_ext.config.compile_blocks_once off, each graph compiled whole")
         except Exception as e:
             install_error = e
             plugin["error"] = f"dynamo_ext.install() failed: {type(e).__name__}: {e}"
