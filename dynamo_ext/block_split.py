@@ -2,30 +2,38 @@
 
 NOTE [blocks compiled once]
 The plugin traces an FSDP2 (+ TP) model into one Dynamo graph, so AOTAutograd
-and Inductor would see every one of its N identical blocks.  Before the
-backend runs, this module cuts that graph at the boundaries of the items of
-its longest module container (``layers[0]``, ``layers[1]``, ...) into
-submodules called in order, as DDPOptimizer cuts at its buckets, and compiles
-each with the user's backend through DDPOptimizer's ``SubmodCompiler``; a
+and Inductor would see every one of its N identical blocks.  Where Dynamo
+hands that graph to ``inductor`` (``compile_fx``) or to an AOTAutograd backend
+(``AotAutograd.__call__``: ``aot_eager``, ``aot_autograd(...)``), this module
+cuts it at the boundaries of the items of its longest module container
+(``layers[0]``, ``layers[1]``, ...) into submodules run in order, as
+DDPOptimizer cuts at its buckets, and compiles each with that backend; a
 submodule identical to one already compiled (:func:`structural_key`: the same
-nodes, targets and constants, operands of the same metadata, the same
-aliasing among its inputs) is given that compiled callable instead of a new
-compile.  AOTAutograd and Inductor then pay for one block whatever the depth.
-Dynamo still traces every block (one frame, one set of guards, no graph
-break), and the step keeps its one Dynamo graph.
+nodes, targets and constants, inputs of the same metadata, the same aliasing
+among them) runs that compile instead of a new one.  AOTAutograd and Inductor
+then pay for one block whatever the depth.  Dynamo still traces every block
+(one frame, one set of guards, no graph break), and a custom backend still
+receives the one graph whole.
 
 Where the cuts are depends only on the graph's ops (their order and targets,
 not shapes), the same on every rank of a job whose ranks trace the same graph
-(the collective check compares them); which compiled callable a submodule
-runs may differ between ranks (an uneven shard makes one rank's block
-differ), but two submodules share a callable only when their graphs are
-identical, so each rank runs the collectives its graph holds.  The bucketing
-pass and the fusion lowerings see one submodule at a time: a bucket never
-crosses a block boundary (as with per-block compilation).
+(the collective check compares them); which compile a submodule runs may
+differ between ranks (an uneven shard makes one rank's block differ), but two
+submodules share a compile only when their graphs are identical, so each rank
+runs the collectives its graph holds.  The bucketing pass and the fusion
+lowerings see one submodule at a time: a bucket never crosses a block boundary
+(as with per-block compilation).
 
-The backward runs as one compiled backward per submodule, chained by
-autograd, as DDPOptimizer's are; AOTAutograd compiles a shared submodule's
-backward once.  Under compiled autograd the backward is traced whole as before.
+Each submodule's outputs for the next come from running it on fake inputs
+(eager's strides; Inductor keeps a graph's output strides), not from a
+"fakified" first call of its compile as DDPOptimizer's ``SubmodCompiler``
+does: that call saves the opaque objects of a graph (a process group) in
+fake mode, and it keeps AOTAutograd from caching the compile.  Each compile
+runs in its own copy of Dynamo's ``TracingContext`` (``own_tracing_context``):
+AOTAutograd keeps that context for the backward it compiles lazily, which
+then reads its own forward's metadata.  The backward runs as one compiled
+backward per submodule, chained by autograd; a shared compile's backward is
+compiled once.  Under compiled autograd the backward is traced whole.
 """
 
 from __future__ import annotations
@@ -183,6 +191,8 @@ def _constant_key(value: Any) -> Any:
 def _tensor_key(value: Any) -> Any:
     if not isinstance(value, torch.Tensor):
         return _constant_key(value)
+    if not all(isinstance(d, int) for d in (*value.shape, *value.stride())):
+        return ("symbolic", id(value))  # an unbacked size: this input is its own, the submodule compiled alone
     spec = _compat.dtensor_spec_key(value)
     return (
         type(value).__qualname__,
@@ -232,13 +242,16 @@ def structural_key(gm: torch.fx.GraphModule, inputs: list[Any]) -> tuple[Any, ..
     metadata (type, shape, stride, dtype, device, ``requires_grad``, a DTensor's mesh and placements) and which
     of them share storage.  Two submodules with equal keys compute the same function of their inputs."""
     storages: dict[Any, int] = {}
-    alias = []
+    alias: list[Any] = []
     for x in inputs:
-        if isinstance(x, torch.Tensor):
-            local = _compat.local_tensor_of(x)
-            alias.append(storages.setdefault(local.untyped_storage()._cdata, len(storages)))
-        else:
+        if not isinstance(x, torch.Tensor):
             alias.append(None)
+            continue
+        try:
+            storage = _compat.local_tensor_of(x).untyped_storage()._cdata
+        except (RuntimeError, NotImplementedError):  # no storage (a sparse or nested tensor): its own
+            storage = ("own", id(x))
+        alias.append(storages.setdefault(storage, len(storages)))
     return (_graph_key(gm), tuple(_tensor_key(x) for x in inputs), tuple(alias))
 
 
@@ -336,7 +349,12 @@ def _partition_for(gm: Any, example_inputs: Any) -> dict[torch.fx.Node, int] | N
         return None
     if not isinstance(gm, torch.fx.GraphModule) or any(isinstance(x, list | tuple | dict) for x in example_inputs):
         return None
+    if "dynamo_compile_id" not in gm.meta:  # not a graph Dynamo traced (export, a direct compile_fx call)
+        return None
     if _compat.compiling_compiled_autograd_graph():
+        return None
+    if any(_compat.is_symbolic(x) for x in example_inputs):
+        log.info("blocks compiled once: the graph has dynamic-shape inputs; compiled whole")
         return None
     if any(n.op == "call_function" and n.target is _compat.invoke_subgraph_op() for n in gm.graph.nodes):
         log.info("blocks compiled once: the graph already shares regions (invoke_subgraph); compiled whole")

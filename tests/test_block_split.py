@@ -149,3 +149,14 @@ def test_uninstall_restores_the_backend_entries():
     finally:
         dynamo_ext.uninstall()
     assert (_compat.compile_fx_module().compile_fx, _compat.aot_autograd_backend_class().__call__) == entries
+
+
+def test_dynamic_shape_inputs_are_compiled_whole(world, caplog):
+    net = build(4, inners=(6, 6, 6))
+    x = batch(0, 0)
+    torch._dynamo.mark_dynamic(x, 0)
+    with caplog.at_level(logging.INFO, logger=block_split.__name__):
+        _, aot = _compile_step(net, x)
+    assert aot == 1
+    assert "dynamic-shape inputs; compiled whole" in caplog.text
+

@@ -207,6 +207,7 @@ from .tracing import (
     has_fake_tensor,
     invoke_subgraph_op,
     is_higher_order_op,
+    is_symbolic,
     is_traceable_subclass,
     no_duck_shapes,
     no_tracing_context,
@@ -220,6 +221,7 @@ from .tracing import (
 )
 
 __all__ = [
+    "is_symbolic",
     "own_tracing_context",
     "is_device_mesh",
     "aot_autograd_backend_class",
