@@ -49,6 +49,7 @@ from typing import Any
 
 import torch
 import torch.fx
+from torch.fx.node import map_arg
 
 from . import _compat, config
 from ._patching import Patcher
@@ -314,6 +315,7 @@ def compile_blocks(
                     env[n] = next(inputs)
                 elif n.op == "call_module":
                     sub = split.get_submodule(str(n.target))
+                    assert isinstance(sub, torch.fx.GraphModule)  # split_module makes each a GraphModule
                     args = [env[a] for a in n.args]
                     key = structural_key(sub, args)
                     single = _returns_tuple(sub)
@@ -329,7 +331,7 @@ def compile_blocks(
                         log.debug("blocks compiled once: %s runs the compile of an identical submodule", n.target)
                     setattr(split, str(n.target), hit)
                 elif n.op == "call_function":
-                    fn_args, fn_kwargs = torch.fx.node.map_arg((n.args, n.kwargs), lambda a: env[a])
+                    fn_args, fn_kwargs = map_arg((n.args, n.kwargs), lambda a: env[a])
                     env[n] = n.target(*fn_args, **fn_kwargs)
     finally:
         _state.splitting = False

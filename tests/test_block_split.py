@@ -159,4 +159,3 @@ def test_dynamic_shape_inputs_are_compiled_whole(world, caplog):
         _, aot = _compile_step(net, x)
     assert aot == 1
     assert "dynamic-shape inputs; compiled whole" in caplog.text
-

@@ -322,6 +322,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     import dynamo_ext
+    from dynamo_ext import config as dynamo_ext_config
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     rank = identity["rank"]
@@ -342,7 +343,7 @@ def main(argv: list[str] | None = None) -> int:
                 # NOTE [the audit compiles each graph whole]: a block that runs another block's compile
                 # has no graphs of its own on the structured trace, so its collectives and their modules
                 # would be read from the first block's.  Set the variable to audit the split as it runs.
-                dynamo_ext.config.compile_blocks_once = False
+                dynamo_ext_config.compile_blocks_once = False
                 log.info("audit: dynamo_ext.config.compile_blocks_once off, each graph compiled whole")
         except Exception as e:
             install_error = e
