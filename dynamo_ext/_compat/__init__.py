@@ -77,7 +77,6 @@ from .ddp import (
     backend_swapped,
     ddp_first_bucket_bytes,
     ddp_submod_compiler,
-    deepcopy_to_fake,
     reset_submod_compiler_state,
     saved_tensors_hooks_off_during_tracing,
 )
@@ -247,7 +246,6 @@ __all__ = [
     "aten_op",
     "allowing_non_fake_inputs",
     "backend_swapped",
-    "deepcopy_to_fake",
     "dtensor_spec_key",
     "is_placement",
     "local_tensor_of",

@@ -59,12 +59,6 @@ def ddp_first_bucket_bytes(ddp: Any) -> int:
     return min(int(getattr(dist, "_DEFAULT_FIRST_BUCKET_BYTES", 2**20)), int(ddp.bucket_bytes_cap))
 
 
-def deepcopy_to_fake(module: Any, fake_mode: Any) -> Any:
-    """A deep copy of ``module`` whose tensors are fakes of ``fake_mode`` (``torch._dynamo.utils.deepcopy_to_fake_tensor``,
-    what ``SubmodCompiler`` runs to pass a submodule's outputs on)."""
-    return importlib.import_module("torch._dynamo.utils").deepcopy_to_fake_tensor(module, fake_mode)
-
-
 @contextlib.contextmanager
 def allowing_non_fake_inputs(fake_mode: Any) -> Iterator[None]:
     """``fake_mode`` entered with ``allow_non_fake_inputs`` on, as ``SubmodCompiler`` runs a submodule under it."""
