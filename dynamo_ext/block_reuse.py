@@ -50,7 +50,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import re
 from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
@@ -58,14 +57,13 @@ from typing import Any
 from . import _compat, config
 from ._patching import Patcher
 from .fx import collectives as fx_collectives
-from .fx.nodes import example_value, is_invoke_subgraph
+from .fx.nodes import container_item, example_value, is_invoke_subgraph
 
 log = logging.getLogger(__name__)
 
 HIGHER_ORDER_OP = "a higher-order op (checkpoint, autograd.Function) whose body a region cannot take as an input"
 SUBCLASS = "a DTensor (tensor subclass) operand or result; invoke_subgraph takes plain tensors"
 COLLECTIVE = "a collective, kept in the outer graph for the bucketing pass and the collective check"
-_BLOCK_PATH = re.compile(r"^(.*?(?:\[(\d+)\]|\.(\d+)|_(\d+)))$")
 
 
 def region_refusal(node: Any) -> str | None:
@@ -97,10 +95,8 @@ def _communicates(node: Any) -> bool:
 
 def block_of(node: Any) -> str | None:
     """The outermost module path of ``node`` that is an item of a container (``layers[2]``, ``blocks.0``); None."""
-    for path, _cls in (node.meta.get("nn_module_stack") or {}).values():
-        if isinstance(path, str) and _BLOCK_PATH.match(path):
-            return path
-    return None
+    item = container_item(node)
+    return None if item is None else item[0]
 
 
 def _drop_refused(tracker: Any) -> dict[Any, str]:

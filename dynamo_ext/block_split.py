@@ -41,7 +41,6 @@ from __future__ import annotations
 import bisect
 import functools
 import logging
-import re
 import threading
 from collections import Counter
 from collections.abc import Callable
@@ -53,21 +52,9 @@ from torch.fx.node import map_arg
 
 from . import _compat, config
 from ._patching import Patcher
+from .fx.nodes import container_item, is_invoke_subgraph, static_layout
 
 log = logging.getLogger(__name__)
-
-_ITEM = re.compile(r"^(?P<container>.*?)(?:\[(?P<a>\d+)\]|\.(?P<b>\d+)|\['(?P<c>\d+)'\])$")
-
-
-def _item_of(node: torch.fx.Node) -> tuple[str, int] | None:
-    """``(container path, index)`` of the outermost container item in ``node``'s module stack; None."""
-    for path, _cls in (node.meta.get("nn_module_stack") or {}).values():
-        if not isinstance(path, str):
-            continue
-        m = _ITEM.match(path)
-        if m is not None:
-            return m.group("container"), int(m.group("a") or m.group("b") or m.group("c"))
-    return None
 
 
 def _target_name(target: Any) -> str:
@@ -106,8 +93,9 @@ def block_partition(gm: torch.fx.GraphModule) -> dict[torch.fx.Node, int] | None
     for i, n in enumerate(nodes):
         if n.op in ("placeholder", "output"):
             continue
-        item = _item_of(n)
-        if item is not None:
+        found = container_item(n)
+        if found is not None:
+            item = found[1:]
             first.setdefault(item, i)
             last[item] = i
     per_container = Counter(c for c, _ in first)
@@ -192,7 +180,7 @@ def _constant_key(value: Any) -> Any:
 def _tensor_key(value: Any) -> Any:
     if not isinstance(value, torch.Tensor):
         return _constant_key(value)
-    if not all(isinstance(d, int) for d in (*value.shape, *value.stride())):
+    if not static_layout(value):
         return ("symbolic", id(value))  # an unbacked size: this input is its own, the submodule compiled alone
     spec = _compat.dtensor_spec_key(value)
     return (
@@ -345,6 +333,10 @@ def compile_blocks(
     return split
 
 
+def _dynamic_tensor(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and not static_layout(value)
+
+
 def _partition_for(gm: Any, example_inputs: Any) -> dict[torch.fx.Node, int] | None:
     """The block partition of a graph handed to a backend entry, or None to compile it whole."""
     if not config.compile_blocks_once or getattr(_state, "splitting", False):
@@ -355,10 +347,10 @@ def _partition_for(gm: Any, example_inputs: Any) -> dict[torch.fx.Node, int] | N
         return None
     if _compat.compiling_compiled_autograd_graph():
         return None
-    if any(_compat.is_symbolic(x) for x in example_inputs):
+    if any(isinstance(x, torch.SymInt | torch.SymFloat | torch.SymBool) or _dynamic_tensor(x) for x in example_inputs):
         log.info("blocks compiled once: the graph has dynamic-shape inputs; compiled whole")
         return None
-    if any(n.op == "call_function" and n.target is _compat.invoke_subgraph_op() for n in gm.graph.nodes):
+    if any(is_invoke_subgraph(n) for n in gm.graph.nodes):
         log.info("blocks compiled once: the graph already shares regions (invoke_subgraph); compiled whole")
         return None
     ctx = _compat.tracing_context()

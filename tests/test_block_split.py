@@ -17,6 +17,7 @@ from fsdp_training import batch, build
 from helpers import CountingBackend
 
 from dynamo_ext import block_split
+from dynamo_ext.fx.nodes import container_item
 
 
 def _aot_compiles() -> int:
@@ -96,9 +97,9 @@ def test_partition_cuts_at_each_block_and_is_the_same_for_other_shapes(world):
         assert any("tag_activation_checkpoint" in str(n.target) for n in moved)  # FSDP2's gather
         # every node of block i (by its module stack) is in submodule i + 1
         for n in gm.graph.nodes:
-            item = block_split._item_of(n) if n.op.startswith("call") else None
-            if item is not None and item[0].endswith("blocks"):
-                assert partition[n] == item[1] + 1, (n, item)
+            item = container_item(n) if n.op.startswith("call") else None
+            if item is not None and item[1].endswith("blocks"):
+                assert partition[n] == item[2] + 1, (n, item)
         cuts.append(parts)
     assert cuts[0] == cuts[1]
 

@@ -184,13 +184,3 @@ def own_tracing_context() -> Iterator[None]:
             setattr(own, name, value)
     with torch._guards.tracing(own):
         yield
-
-
-def is_symbolic(value: Any) -> bool:
-    """Whether ``value`` is a ``SymInt`` / ``SymFloat`` / ``SymBool`` or a tensor with a symbolic size or
-    stride (a graph input marked dynamic)."""
-    if isinstance(value, torch.SymInt | torch.SymFloat | torch.SymBool):
-        return True
-    if isinstance(value, torch.Tensor):
-        return not all(isinstance(d, int) for d in (*value.shape, *value.stride()))
-    return False

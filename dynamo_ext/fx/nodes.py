@@ -7,6 +7,7 @@ Inductor's graphs, and the nodes our passes make), else ``meta["example_value"]`
 
 from __future__ import annotations
 
+import re
 from typing import Any, TypeGuard
 
 import torch
@@ -17,9 +18,11 @@ from .. import _compat
 __all__ = [
     "example_value",
     "is_call",
+    "container_item",
     "is_invoke_subgraph",
     "sole_user",
     "static_contiguous",
+    "static_layout",
     "static_shape",
     "tensor_bytes",
 ]
@@ -53,9 +56,26 @@ def static_shape(value: Any) -> bool:
     return isinstance(value, torch.Tensor) and all(isinstance(s, int) for s in value.shape)
 
 
+def static_layout(value: Any) -> bool:
+    """Whether ``value`` is a tensor whose sizes and strides are all plain ints (no SymInt)."""
+    return static_shape(value) and all(isinstance(s, int) for s in value.stride())
+
+
 def static_contiguous(value: Any) -> bool:
     """Whether ``value`` is a contiguous tensor whose sizes and strides are all plain ints."""
-    return static_shape(value) and all(isinstance(s, int) for s in value.stride()) and value.is_contiguous()
+    return static_layout(value) and value.is_contiguous()
+
+
+_CONTAINER_ITEM = re.compile(r"^(?P<container>.+?)(?:\[(?P<a>\d+)\]|\['(?P<c>\d+)'\]|\.(?P<b>\d+))$")
+
+
+def container_item(node: torch.fx.Node) -> tuple[str, str, int] | None:
+    """``(path, container path, index)`` of the outermost module in ``node``'s module stack that is an item of
+    a container (``L['self'].layers[2]``, ``layers['2']`` of a ModuleDict, ``blocks.0``); None when there is none."""
+    for path, _cls in (node.meta.get("nn_module_stack") or {}).values():
+        if isinstance(path, str) and (m := _CONTAINER_ITEM.match(path)) is not None:
+            return path, m.group("container"), int(m.group("a") or m.group("b") or m.group("c"))
+    return None
 
 
 def tensor_bytes(value: Any) -> int:
