@@ -43,19 +43,17 @@ TRACED = {
     "group_mixed_precision": {"group": True, "mp": BF16_FP32},
     "group_fsdp_over_tp": {"group": True, "tp": True},
     "checkpoint_inside": {"checkpoint": "inside"},  # torch.utils.checkpoint inside each FSDP2 block
-    # Inductor with the plugin's collective bucketing: rank 3's short shards give it other graphs
-    # (slices the others do not have); the buckets must still agree, or the ranks hang.
-    "inductor": {"backend": "inductor"},
 }
-# Compiled autograd on the configurations whose backward differs most (keeps the file's runtime down).
+# Inductor with the plugin's collective bucketing, where rank 3's short shards give it other graphs and the
+# buckets must still agree: test_block_split_gloo.py ("fsdp_inductor", "rank1_compiles_every_block").
+# Compiled autograd on the configurations whose backward differs most (keeps the file's runtime down);
+# FSDP over TP and the module group under compiled autograd are both in "group_fsdp_over_tp".
 UNDER_COMPILED_AUTOGRAD = (
     "root_only",
     "reshard_false",
     "mixed_precision",
     "accumulate",
-    "fsdp_over_tp",
     "checkpoint_inside",
-    "group",
     "group_fsdp_over_tp",
 )
 FP32_TOL, BF16_TOL = 1e-5, 2e-2
