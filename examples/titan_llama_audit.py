@@ -345,7 +345,13 @@ def make_step() -> tuple[Transformer, torch.optim.Optimizer, object]:
 
 
 def main() -> None:
-    """One compiled training step on a (dp=2, tp=2) mesh, checked against the same step run eagerly; 4 ranks."""
+    """One compiled training step on a (dp=2, tp=2) mesh, checked against the same step run eagerly; 4 ranks.
+
+    ``torch.compile`` here is whatever the process has: the plugin under ``dynamo-ext audit`` (stock torch
+    for ``--compare-stock``'s stock run).  Launched directly (``torchrun --nproc-per-node 4``), it is stock
+    ``torch.compile``, which fails on this model (docs/audit.md); call ``dynamo_ext.install()`` first to
+    run it with the plugin.
+    """
     from dynamo_ext.audit import Step, check_step
 
     created = not dist.is_initialized()
