@@ -334,3 +334,44 @@ def test_merge_counts_fsdp_per_group_and_leaves_inlined_backward_out():
         ("layers.0", "backward", 2),
     }
     assert comm.missing == ()
+
+
+class _Block(torch.nn.Module):
+    def forward(self, x):
+        from torch.distributed.tensor import Replicate, Shard
+
+        y = (x * 2).redistribute(x.device_mesh, [Replicate()])  # one all-gather per block
+        return y.redistribute(x.device_mesh, [Shard(0)]) + 1
+
+
+class _Blocks(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(_Block() for _ in range(3))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x.to_local().sum()
+
+
+def test_in_process_audit_compiles_whole_and_counts_every_blocks_collectives(plugin, monkeypatch):
+    """NOTE [the audit compiles each graph whole]: three identical blocks, each its own all-gather in the report.
+
+    With identical blocks compiled once, the third block ran the second one's compile and had no graphs of its
+    own on the structured trace: the report had two all-gathers (``layers.0``, ``layers.1``).
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    from dynamo_ext.audit.schema.events import BLOCKS_WHOLE_FOR_AUDIT
+
+    monkeypatch.delenv("DYNAMO_EXT_COMPILE_BLOCKS_ONCE", raising=False)
+    with fake_world(4):
+        mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("tp",))
+        x = DTensor.from_local(torch.randn(8, 16), mesh, [Shard(0)], run_check=False)
+        report = audit(_Blocks(), x, backend="aot_eager")
+    gathers = [c for c in report.comm.collectives if c.kind == "all_gather"]
+    assert sorted(c.module for c in gathers) == ["layers.0", "layers.1", "layers.2"], gathers
+    assert report.plugin["blocks"] == BLOCKS_WHOLE_FOR_AUDIT
+    assert "plugin: each graph compiled whole for the audit" in str(report)  # the header (rich wraps the rest)

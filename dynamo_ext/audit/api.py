@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
 import os
@@ -10,6 +11,7 @@ from typing import Any
 
 from .merge.merger import merge
 from .model.records import AuditReport
+from .rank.blocks import audit_blocks
 from .rank.collector import Collector, dynamo_counters
 from .rank.identity import target_root
 from .rank.numerics import MakeStepResult, as_step, check_step
@@ -74,7 +76,7 @@ def audit(
     import torch.distributed as dist
 
     import dynamo_ext
-    from dynamo_ext import _compat
+    from dynamo_ext import _compat, config
 
     if (rtol is None) != (atol is None):
         raise ValueError("give both rtol and atol, or neither (the per-dtype defaults of torch.testing.assert_close)")
@@ -85,12 +87,16 @@ def audit(
     before = dynamo_counters()
     source = _source_file(fn)
     collector = Collector(root=target_root(source) if source else None)
-    plugin = {"installed": dynamo_ext.is_installed(), "version": dynamo_ext.__version__, "error": ""}
+    plugin: dict[str, Any] = {"installed": dynamo_ext.is_installed(), "version": dynamo_ext.__version__, "error": ""}
+    blocks, whole = audit_blocks()
+    if plugin["installed"]:
+        plugin["blocks"] = blocks
     collector.record(to_dict(Start(format_version=FORMAT_VERSION, rank=rank, pid=os.getpid(), plugin=plugin)))
     collector.start()
     finished = False
     try:
-        torch.compile(fn, **_compat.fresh_compile_kwargs(compile_kwargs))(*args)
+        with config.patch(compile_blocks_once=False) if whole else contextlib.nullcontext():
+            torch.compile(fn, **_compat.fresh_compile_kwargs(compile_kwargs))(*args)
         finished = True
     finally:
         collector.stop()

@@ -273,7 +273,8 @@ class AuditReport:
     """Everything the audit found; ``str(report)`` is the terminal report.
 
     ``plugin`` says whether dynamo-ext was installed on the ranks
-    (``{"installed": bool, "version": str, "error": str}``).  ``stock`` is the
+    (``{"installed": bool, "version": str, "error": str}``, and ``"blocks"``: how it compiled the graphs,
+    ``schema.events.BLOCKS_*``).  ``stock`` is the
     run without the plugin when ``--compare-stock`` was given.  ``numerics`` is
     the numerics check (``None`` when it did not run).  ``notes``: what the
     input could not say (a ``TORCH_TRACE`` directory has no exit statuses,

@@ -55,6 +55,7 @@ import traceback
 from typing import Any
 
 from ..schema.events import FORMAT_VERSION, End, Error, EventKind, Start, to_dict
+from .blocks import audit_blocks
 from .collector import Collector, JsonlSink, dynamo_counters
 from .identity import is_torch_file, normalize_path, user_frame_index
 from .target import is_function_target, rank_identity, resolve_function, root_of_target
@@ -339,10 +340,8 @@ def main(argv: list[str] | None = None) -> int:
         try:
             dynamo_ext.install()
             plugin["installed"] = True
-            if "DYNAMO_EXT_COMPILE_BLOCKS_ONCE" not in os.environ:
-                # NOTE [the audit compiles each graph whole]: a block that runs another block's compile
-                # has no graphs of its own on the structured trace, so its collectives and their modules
-                # would be read from the first block's.  Set the variable to audit the split as it runs.
+            plugin["blocks"], whole = audit_blocks()  # NOTE [the audit compiles each graph whole]
+            if whole:
                 dynamo_ext_config.compile_blocks_once = False
                 log.info("audit: dynamo_ext.config.compile_blocks_once off, each graph compiled whole")
         except Exception as e:

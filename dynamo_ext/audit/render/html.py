@@ -107,6 +107,8 @@ def render_html(report: AuditReport) -> str:
     """The whole report as one HTML document."""
     title = f"dynamo-ext audit: {report.target}"
     plugin = "installed" if report.plugin.get("installed") else "not installed"
+    if report.plugin.get("installed") and report.plugin.get("blocks"):
+        plugin += f" ({escape(str(report.plugin['blocks']))})"
     risks = report.hang_risks
     rank_opts = "".join(f'<option value="{r.rank}">rank {r.rank}</option>' for r in report.ranks)
     count_heads = "<th>stock</th><th>plugin</th>" if report.stock is not None else "<th>count</th>"

@@ -194,6 +194,8 @@ def renderables(report: AuditReport) -> Group:
     )
     if plugin.get("error"):
         head.append(f"\nplugin: {plugin['error']}", style="yellow")
+    if plugin.get("installed") and plugin.get("blocks"):
+        head.append(f"\nplugin: {plugin['blocks']}")
     for note in report.notes:
         head.append(f"\nnote: {note}", style="yellow")
     parts: list = [head, _summary(report), _breaks(report)]

@@ -38,9 +38,23 @@ class EventKind(StrEnum):
     END = "end"  # the rank finished: its exit status and Dynamo's counters
 
 
+# ``Start.plugin["blocks"]``: how the plugin compiled the graphs it traced (NOTE [the audit compiles each graph
+# whole] in ``rank/collect.py``); the report prints it as it is.
+BLOCKS_ONCE = "identical blocks compiled once (the plugin's default)"
+BLOCKS_WHOLE_FOR_AUDIT = (
+    "each graph compiled whole for the audit: a run with the plugin's defaults compiles identical blocks once, "
+    "faster than the compile times here; DYNAMO_EXT_COMPILE_BLOCKS_ONCE=1 audits that"
+)
+BLOCKS_WHOLE_BY_USER = "each graph compiled whole (DYNAMO_EXT_COMPILE_BLOCKS_ONCE=0)"
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Start:
-    """The header: the rank's place in the job (:func:`..rank.target.rank_identity`), versions and target."""
+    """The header: the rank's place in the job (:func:`..rank.target.rank_identity`), versions and target.
+
+    ``plugin``: ``{"installed": bool, "version": str, "error": str}``, and ``"blocks"`` (one of the
+    ``BLOCKS_*`` texts) when the plugin is installed.
+    """
 
     KIND: ClassVar[EventKind] = EventKind.START
     format_version: int | None = None  # None: written before rank files had a version
