@@ -3,8 +3,7 @@
 NOTE [the audit compiles each graph whole]
 With ``dynamo_ext.config.compile_blocks_once`` (NOTE [blocks compiled once] in ``block_split.py``) a
 block that runs another block's compile has no graphs of its own on the structured trace, so the
-communication report would read its collectives, and their modules, from the first block's (three
-identical blocks, two all-gathers reported).  So ``dynamo-ext audit`` and the in-process
+communication report would miss its collectives (three identical blocks, two all-gathers reported).  So ``dynamo-ext audit`` and the in-process
 :func:`dynamo_ext.audit.audit` compile each graph whole, unless ``DYNAMO_EXT_COMPILE_BLOCKS_ONCE`` is
 set, and the report says which (``plugin["blocks"]``): a run with the plugin's defaults compiles
 faster than the audit's compile times show.

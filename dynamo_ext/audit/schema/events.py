@@ -39,7 +39,7 @@ class EventKind(StrEnum):
 
 
 # ``Start.plugin["blocks"]``: how the plugin compiled the graphs it traced (NOTE [the audit compiles each graph
-# whole] in ``rank/collect.py``); the report prints it as it is.
+# whole] in ``rank/blocks.py``); the report prints it as it is.
 BLOCKS_ONCE = "identical blocks compiled once (the plugin's default)"
 BLOCKS_WHOLE_FOR_AUDIT = (
     "each graph compiled whole for the audit: a run with the plugin's defaults compiles identical blocks once, "
