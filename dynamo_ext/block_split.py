@@ -13,7 +13,8 @@ nodes, targets and constants, inputs of the same metadata, the same aliasing
 among them) runs that compile instead of a new one.  AOTAutograd and Inductor
 then pay for one block whatever the depth.  Dynamo still traces every block
 (one frame, one set of guards, no graph break), and a custom backend still
-receives the one graph whole.
+receives the one graph whole.  With ``config.reuse_block_compiles`` off every
+submodule is compiled (the audit's setting: NOTE [the audit compiles each block]).
 
 Where the cuts are depends only on the graph's ops (their order and targets,
 not shapes), the same on every rank of a job whose ranks trace the same graph
@@ -292,7 +293,7 @@ def compile_blocks(
     propagate_metadata(gm, split)
     fake_mode = _compat.fake_mode_of(example_inputs)
     compiled: dict[Any, _Compiled] = {}
-    reused = 0
+    compiles = reused = 0
     env: dict[torch.fx.Node, Any] = {}
     inputs = iter(_compat.to_fake(fake_mode, x) for x in example_inputs)
     _state.splitting = True
@@ -310,10 +311,11 @@ def compile_blocks(
                     with _compat.allowing_non_fake_inputs(fake_mode):
                         out = sub(*args)
                     env[n] = out[0] if single else out
-                    hit = compiled.get(key)
+                    hit = compiled.get(key) if config.reuse_block_compiles else None
                     if hit is None:
                         with _compat.own_tracing_context():
                             hit = compiled[key] = _Compiled(compile_one(sub, args), single)
+                        compiles += 1
                     else:
                         reused += 1
                         log.debug("blocks compiled once: %s runs the compile of an identical submodule", n.target)
@@ -325,10 +327,11 @@ def compile_blocks(
         _state.splitting = False
     split.recompile()
     log.info(
-        "blocks compiled once: %d submodules, %d compiled, %d running an identical block's compile",
-        len(compiled) + reused,
-        len(compiled),
+        "blocks compiled once: %d submodules, %d compiled, %d running an identical block's compile%s",
+        compiles + reused,
+        compiles,
         reused,
+        "" if config.reuse_block_compiles else " (config.reuse_block_compiles off)",
     )
     return split
 

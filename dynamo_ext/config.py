@@ -70,4 +70,9 @@ identical block (NOTE [blocks compiled once]).  One Dynamo graph, one set of gua
 pay for one block whatever the depth.  Applies to ``inductor`` and the AOTAutograd backends (``aot_eager``, ...);
 ``False`` (or ``DYNAMO_EXT_COMPILE_BLOCKS_ONCE=0``) hands them the graph whole."""
 
+reuse_block_compiles: bool = True
+"""With ``compile_blocks_once``: a block identical to one already compiled runs that compile.  ``False`` cuts
+the graph at the same places and compiles every block, so each logs its own graphs on the structured trace:
+what ``dynamo-ext audit`` sets (NOTE [the audit compiles each block])."""
+
 _install_config_module(sys.modules[__name__])

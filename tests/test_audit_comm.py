@@ -355,23 +355,43 @@ class _Blocks(torch.nn.Module):
         return x.to_local().sum()
 
 
-def test_in_process_audit_compiles_whole_and_counts_every_blocks_collectives(plugin, monkeypatch):
-    """NOTE [the audit compiles each graph whole]: three identical blocks, each its own all-gather in the report.
+def test_in_process_audit_compiles_every_block_and_counts_its_collectives(plugin):
+    """NOTE [the audit compiles each block]: three identical blocks, each its own all-gather in the report.
 
-    With identical blocks compiled once, the third block ran the second one's compile and had no graphs of its
-    own on the structured trace: the report had two all-gathers (``layers.0``, ``layers.1``).
+    With a block running an identical block's compile, that block logged no graphs of its own: the report
+    had two all-gathers (``layers.0``, ``layers.1``).  The graph is still cut at its blocks, as a run cuts it.
     """
+    import logging
+
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard
 
-    from dynamo_ext.audit.schema.events import BLOCKS_WHOLE_FOR_AUDIT
+    from dynamo_ext import block_split
+    from dynamo_ext.audit.schema.events import BLOCKS_EACH_FOR_AUDIT
 
-    monkeypatch.delenv("DYNAMO_EXT_COMPILE_BLOCKS_ONCE", raising=False)
-    with fake_world(4):
-        mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("tp",))
-        x = DTensor.from_local(torch.randn(8, 16), mesh, [Shard(0)], run_check=False)
-        report = audit(_Blocks(), x, backend="aot_eager")
+    records: list[str] = []
+
+    class _Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record.getMessage())
+
+    logger = logging.getLogger(block_split.__name__)
+    handler, level = _Keep(), logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        with fake_world(4):
+            mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("tp",))
+            x = DTensor.from_local(torch.randn(8, 16), mesh, [Shard(0)], run_check=False)
+            report = audit(_Blocks(), x, backend="aot_eager")
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
     gathers = [c for c in report.comm.collectives if c.kind == "all_gather"]
     assert sorted(c.module for c in gathers) == ["layers.0", "layers.1", "layers.2"], gathers
-    assert report.plugin["blocks"] == BLOCKS_WHOLE_FOR_AUDIT
-    assert "plugin: each graph compiled whole for the audit" in str(report)  # the header (rich wraps the rest)
+    assert [m for m in records if "submodules" in m] == [
+        "blocks compiled once: 4 submodules, 4 compiled, 0 running an identical block's compile "
+        "(config.reuse_block_compiles off)"
+    ]
+    assert report.plugin["blocks"] == BLOCKS_EACH_FOR_AUDIT
+    assert "plugin: graphs cut at their blocks as a run cuts them" in str(report)  # the header (rich wraps it)

@@ -55,7 +55,7 @@ def test_titan_llama_training_step_audit():
         "graphs": 1,
         "hang_risks": [],
         "numerics_mismatches": 0,
-        "comm_bytes_per_step": 474496,
+        "comm_bytes_per_step": 470400,
     }, report["totals"]
     assert report["graph_breaks"] == [] and report["recompiles"] == []
 
@@ -69,7 +69,7 @@ def test_titan_llama_training_step_audit():
 
 def _check_comm(comm, example):
     runs = [c for c in comm["collectives"] if not c["inlined"]]
-    assert len(runs) == len(comm["collectives"]) == 95, len(comm["collectives"])
+    assert len(runs) == len(comm["collectives"]) == 94, len(comm["collectives"])
     by = Counter(
         (c["graph"].split(" |")[0].split(" ")[-1], c["graph_kind"], c["kind"], c["mesh_axis"], c["origin"])
         for c in runs
@@ -87,7 +87,10 @@ def _check_comm(comm, example):
         # the group keeps its unsharded parameters: reshard_after_forward=False),
         ("forward_loss", "backward", "all_gather", "dp", "fsdp"): 18,
         ("forward_loss", "backward", "all_gather", "tp", "dtensor"): 9,
-        ("forward_loss", "backward", "reduce_scatter", "tp", "dtensor"): 8,
+        # (7, not the 8 of the graph compiled whole: cut at its blocks (NOTE [the audit compiles each block]), the
+        # last block's output is an input of the part after the blocks and saved there for the final norm, where
+        # the whole graph recomputed it from the checkpointed block, feed_forward.w2's reduce-scatter included)
+        ("forward_loss", "backward", "reduce_scatter", "tp", "dtensor"): 7,
         # FSDP2's per-parameter gradient reduce-scatters, and the Replicate-on-"tp" norm weights' all-reduces
         ("forward_loss", "backward", "reduce_scatter", "dp", "fsdp"): 21,
         ("forward_loss", "backward", "all_reduce", "tp", "fsdp"): 5,
@@ -107,11 +110,11 @@ def _check_comm(comm, example):
         "layers.1",
         "norm",
     }
-    assert comm["bytes_by_rank"] == [[r, 474496] for r in range(4)] and comm["missing"] == [], comm["bytes_by_rank"]
+    assert comm["bytes_by_rank"] == [[r, 470400] for r in range(4)] and comm["missing"] == [], comm["bytes_by_rank"]
     assert comm["counts"] == [
         ["backward", "all_gather", 11],
         ["backward", "all_reduce", 5],  # the norm weights' all-reduces, per parameter as eager FSDP2
-        ["backward", "reduce_scatter", 12],
+        ["backward", "reduce_scatter", 11],
         ["forward", "all_gather", 9],
         ["forward", "all_reduce", 3],
         ["forward", "reduce_scatter", 5],
@@ -126,13 +129,13 @@ def _check_comm(comm, example):
     ], comm["eager_counts"]
     # `output`, which the group's hooks reach first through the FSDP2 state, is named by its path
     assert {c["module"] for c in runs if c["module"].split(".")[0] in ("norm", "output")} == {"norm", "output"}
-    # No break, nothing eager: the two differences are FSDP2's backward gathers (eager prefetches each in the
-    # unit after it and re-gathers the embedding, whose compiled backward needs no weight) and the last block's
-    # output reduce-scatter, which the compiled backward recomputes (activation checkpointing) and eager saves.
+    # No break, nothing eager: the one difference is FSDP2's backward gathers (eager prefetches each in the unit
+    # after it and re-gathers the embedding, whose compiled backward needs no weight).  The reduce-scatters agree:
+    # cut at its blocks, the last block's output is saved for the final norm as eager saves it (compiled whole,
+    # the partitioner recomputed it from the checkpointed block, one reduce-scatter more than eager).
     diffs = {(d["phase"], d["kind"]): d for d in comm["count_differences"]}
     assert {k: (d["compiled"], d["eager"], d["unexplained"]) for k, d in diffs.items()} == {
         ("backward", "all_gather"): (11, 12, ""),
-        ("backward", "reduce_scatter"): (12, 11, ""),
     }, comm["count_differences"]
     assert diffs["backward", "all_gather"]["reasons"] == [
         "output: compiled 0, eager 1: FSDP2's all_gathers differ (compiled 0, eager 1), DTensor's agree",
@@ -143,10 +146,3 @@ def _check_comm(comm, example):
         "and not those of norm, tok_embeddings (kept from the forward, reshard_after_forward=False, or unused by "
         "the backward, as an embedding's weight)",
     ], diffs["backward", "all_gather"]["reasons"]
-    assert diffs["backward", "reduce_scatter"]["reasons"] == [
-        "layers.1: compiled 5, eager 4: its compiled backward recomputes 2 of its forward reduce_scatter(s) "
-        "(layers.1.attention.wo, layers.1.feed_forward.w2), 1 more than eager's backward: activation "
-        "checkpointing, whose eager recomputation stops once the region's saved tensors are rebuilt, while the "
-        "compiled partitioner recomputes a checkpointed output that later code's backward needs instead of "
-        "saving it",
-    ], diffs["backward", "reduce_scatter"]["reasons"]

@@ -8,8 +8,8 @@ other FSDP2 settings (mixed precision, module groups, activation checkpointing, 
 split by default in ``test_fsdp_training_gloo.py``.  The torchtitan-style Llama of
 ``examples/titan_llama_audit.py`` (sequence parallel, loss parallel, full activation checkpointing, the
 ``[norm, output]`` FSDP2 module group, AdamW) runs its own numerics check split, with the eager backward and
-under compiled autograd: ``dynamo-ext audit`` compiles each graph whole (NOTE [the audit compiles each graph
-whole]), so its audit test does not cover the split.
+under compiled autograd: ``dynamo-ext audit`` compiles every block (NOTE [the audit compiles each block]), so
+its audit test covers the cuts but not a block running another block's compile.
 """
 
 from __future__ import annotations

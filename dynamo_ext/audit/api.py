@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import inspect
 import os
@@ -11,7 +10,7 @@ from typing import Any
 
 from .merge.merger import merge
 from .model.records import AuditReport
-from .rank.blocks import audit_blocks
+from .rank.blocks import audit_blocks, every_block_compiled
 from .rank.collector import Collector, dynamo_counters
 from .rank.identity import target_root
 from .rank.numerics import MakeStepResult, as_step, check_step
@@ -76,7 +75,7 @@ def audit(
     import torch.distributed as dist
 
     import dynamo_ext
-    from dynamo_ext import _compat, config
+    from dynamo_ext import _compat
 
     if (rtol is None) != (atol is None):
         raise ValueError("give both rtol and atol, or neither (the per-dtype defaults of torch.testing.assert_close)")
@@ -88,14 +87,13 @@ def audit(
     source = _source_file(fn)
     collector = Collector(root=target_root(source) if source else None)
     plugin: dict[str, Any] = {"installed": dynamo_ext.is_installed(), "version": dynamo_ext.__version__, "error": ""}
-    blocks, whole = audit_blocks()
     if plugin["installed"]:
-        plugin["blocks"] = blocks
+        plugin["blocks"] = audit_blocks()
     collector.record(to_dict(Start(format_version=FORMAT_VERSION, rank=rank, pid=os.getpid(), plugin=plugin)))
     collector.start()
     finished = False
     try:
-        with config.patch(compile_blocks_once=False) if whole else contextlib.nullcontext():
+        with every_block_compiled():  # NOTE [the audit compiles each block]
             torch.compile(fn, **_compat.fresh_compile_kwargs(compile_kwargs))(*args)
         finished = True
     finally:

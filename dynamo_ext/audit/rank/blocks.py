@@ -1,30 +1,36 @@
-"""Whether the audit compiles identical blocks once or each graph whole, and what the report says of it.
+"""How the audit compiles the graphs it traces, and what the report says of it.
 
-NOTE [the audit compiles each graph whole]
+NOTE [the audit compiles each block]
 With ``dynamo_ext.config.compile_blocks_once`` (NOTE [blocks compiled once] in ``block_split.py``) a
-block that runs another block's compile has no graphs of its own on the structured trace, so the
-communication report would miss its collectives (three identical blocks, two all-gathers reported).  So ``dynamo-ext audit`` and the in-process
-:func:`dynamo_ext.audit.audit` compile each graph whole, unless ``DYNAMO_EXT_COMPILE_BLOCKS_ONCE`` is
-set, and the report says which (``plugin["blocks"]``): a run with the plugin's defaults compiles
-faster than the audit's compile times show.
+block that runs another block's compile logs no graphs of its own on the structured trace, so the
+communication report and the collective sequences the ranks compare would miss its collectives
+(three identical blocks, two all-gathers reported).  So ``dynamo-ext audit`` and the in-process
+:func:`dynamo_ext.audit.audit` turn ``config.reuse_block_compiles`` off: the graph is cut at the same
+places as in a run with the same settings, so its buckets and its numerics are that run's, and every
+block is compiled, each logging its AOT graphs in the order the blocks run (the collector joins a Dynamo
+graph's AOT graphs into one sequence per side).  Its compile times are then longer than the run's at
+depth; the report says so (``plugin["blocks"]``).
 """
 
 from __future__ import annotations
 
-import os
+import contextlib
+from collections.abc import Iterator
 
-from ..schema.events import BLOCKS_ONCE, BLOCKS_WHOLE_BY_USER, BLOCKS_WHOLE_FOR_AUDIT
-
-ENV = "DYNAMO_EXT_COMPILE_BLOCKS_ONCE"
+from ..schema.events import BLOCKS_EACH_FOR_AUDIT, BLOCKS_WHOLE_BY_USER
 
 
-def audit_blocks() -> tuple[str, bool]:
-    """(the report's ``plugin["blocks"]`` text, whether the audit must turn ``compile_blocks_once`` off).
-
-    Off unless ``DYNAMO_EXT_COMPILE_BLOCKS_ONCE`` is set; when it is set, the setting it gave stands.
-    """
+def audit_blocks() -> str:
+    """The report's ``plugin["blocks"]`` text for the plugin's current settings."""
     from ... import config
 
-    if ENV not in os.environ:
-        return BLOCKS_WHOLE_FOR_AUDIT, True
-    return (BLOCKS_ONCE if config.compile_blocks_once else BLOCKS_WHOLE_BY_USER), False
+    return BLOCKS_EACH_FOR_AUDIT if config.compile_blocks_once else BLOCKS_WHOLE_BY_USER
+
+
+@contextlib.contextmanager
+def every_block_compiled() -> Iterator[None]:
+    """Within the block, ``config.reuse_block_compiles`` is off (NOTE [the audit compiles each block])."""
+    from ... import config
+
+    with config.patch(reuse_block_compiles=False):
+        yield

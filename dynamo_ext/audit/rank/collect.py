@@ -340,10 +340,9 @@ def main(argv: list[str] | None = None) -> int:
         try:
             dynamo_ext.install()
             plugin["installed"] = True
-            plugin["blocks"], whole = audit_blocks()  # NOTE [the audit compiles each graph whole]
-            if whole:
-                dynamo_ext_config.compile_blocks_once = False
-                log.info("audit: dynamo_ext.config.compile_blocks_once off, each graph compiled whole")
+            plugin["blocks"] = audit_blocks()
+            dynamo_ext_config.reuse_block_compiles = False  # NOTE [the audit compiles each block]
+            log.info("audit: dynamo_ext.config.reuse_block_compiles off, every block compiled")
         except Exception as e:
             install_error = e
             plugin["error"] = f"dynamo_ext.install() failed: {type(e).__name__}: {e}"

@@ -231,14 +231,16 @@ class Collector(logging.Handler):
             elif name == "dynamo_output_graph":
                 gm, aot_id = _compat.graph_module_being_logged(name)
                 text = getattr(record, "payload", "") or ""
-                self._graphs.setdefault(_compile_key(md), {})["dynamo"] = _graph_collectives(gm, text)
+                # a new Dynamo graph: its AOT graphs follow (several when its blocks are compiled one by one)
+                self._graphs[_compile_key(md)] = {"dynamo": _graph_collectives(gm, text)}
                 self._compiled.discard(_compile_key(md))  # ids repeat after torch._dynamo.reset()
                 self._on_graph_module(name, md, gm, aot_id, "")
             elif name in ("aot_forward_graph", "aot_inference_graph", "aot_backward_graph"):
                 gm, aot_id = _compat.graph_module_being_logged(name)
                 text = getattr(record, "payload", "") or ""
                 side = "backward" if name == "aot_backward_graph" else "forward"
-                self._graphs.setdefault(_compile_key(md), {})[side] = _graph_collectives(gm, text)
+                # NOTE [the audit compiles each block]: one AOT graph per block, in the order they run
+                self._graphs.setdefault(_compile_key(md), {}).setdefault(side, []).extend(_graph_collectives(gm, text))
                 self._on_graph_module(name, md, gm, aot_id, text)
             elif name == "compilation_metrics":
                 self._on_metrics(md["compilation_metrics"])

@@ -38,14 +38,13 @@ class EventKind(StrEnum):
     END = "end"  # the rank finished: its exit status and Dynamo's counters
 
 
-# ``Start.plugin["blocks"]``: how the plugin compiled the graphs it traced (NOTE [the audit compiles each graph
-# whole] in ``rank/blocks.py``); the report prints it as it is.
-BLOCKS_ONCE = "identical blocks compiled once (the plugin's default)"
-BLOCKS_WHOLE_FOR_AUDIT = (
-    "each graph compiled whole for the audit: a run with the plugin's defaults compiles identical blocks once, "
-    "faster than the compile times here; DYNAMO_EXT_COMPILE_BLOCKS_ONCE=1 audits that"
+# ``Start.plugin["blocks"]``: how the plugin compiled the graphs it traced (NOTE [the audit compiles each block]
+# in ``rank/blocks.py``); the report prints it as it is.
+BLOCKS_EACH_FOR_AUDIT = (
+    "graphs cut at their blocks as a run cuts them, every block compiled for the audit: "
+    "a run compiles identical blocks once, faster than the compile times here"
 )
-BLOCKS_WHOLE_BY_USER = "each graph compiled whole (DYNAMO_EXT_COMPILE_BLOCKS_ONCE=0)"
+BLOCKS_WHOLE_BY_USER = "each graph compiled whole (dynamo_ext.config.compile_blocks_once off)"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
