@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import logging
 import os
 import re
 import socket
@@ -256,3 +257,27 @@ def run_parts_on_ranks(parts: dict[str, Callable[..., Any]], *, nproc: int = 4, 
     module-level or a ``functools.partial`` of one (it is pickled).
     """
     return RankParts(run_on_ranks(_run_parts, parts, nproc=nproc, plugin=plugin))
+
+
+@contextlib.contextmanager
+def split_logs() -> Iterator[list[str]]:
+    """The block split's INFO lines that say how each graph was split (NOTE [blocks compiled once]), while the
+    block runs: ``"blocks compiled once: N submodules, C compiled, R running an identical block's compile"``."""
+    from dynamo_ext import block_split
+
+    records: list[str] = []
+
+    class _Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if "submodules" in record.getMessage():
+                records.append(record.getMessage())
+
+    logger = logging.getLogger(block_split.__name__)
+    handler, level = _Keep(), logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        yield records
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)

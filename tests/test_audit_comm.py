@@ -12,7 +12,7 @@ import json
 
 import pytest
 import torch
-from helpers import fake_world
+from helpers import fake_world, split_logs
 
 from dynamo_ext.audit import audit, gate, report_from_json
 from dynamo_ext.audit.rank.comm import _common_path, origin, traffic_bytes
@@ -361,35 +361,18 @@ def test_in_process_audit_compiles_every_block_and_counts_its_collectives(plugin
     With a block running an identical block's compile, that block logged no graphs of its own: the report
     had two all-gathers (``layers.0``, ``layers.1``).  The graph is still cut at its blocks, as a run cuts it.
     """
-    import logging
-
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard
 
-    from dynamo_ext import block_split
     from dynamo_ext.audit.schema.events import BLOCKS_EACH_FOR_AUDIT
 
-    records: list[str] = []
-
-    class _Keep(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            records.append(record.getMessage())
-
-    logger = logging.getLogger(block_split.__name__)
-    handler, level = _Keep(), logger.level
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
-    try:
-        with fake_world(4):
-            mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("tp",))
-            x = DTensor.from_local(torch.randn(8, 16), mesh, [Shard(0)], run_check=False)
-            report = audit(_Blocks(), x, backend="aot_eager")
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(level)
+    with fake_world(4), split_logs() as records:
+        mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("tp",))
+        x = DTensor.from_local(torch.randn(8, 16), mesh, [Shard(0)], run_check=False)
+        report = audit(_Blocks(), x, backend="aot_eager")
     gathers = [c for c in report.comm.collectives if c.kind == "all_gather"]
     assert sorted(c.module for c in gathers) == ["layers.0", "layers.1", "layers.2"], gathers
-    assert [m for m in records if "submodules" in m] == [
+    assert records == [
         "blocks compiled once: 4 submodules, 4 compiled, 0 running an identical block's compile "
         "(config.reuse_block_compiles off)"
     ]

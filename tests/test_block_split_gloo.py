@@ -14,20 +14,17 @@ its audit test covers the cuts but not a block running another block's compile.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import importlib.util
-import logging
 import os
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from fsdp_training import build, diff, train
-from helpers import run_parts_on_ranks
+from helpers import run_parts_on_ranks, split_logs
 
 pytestmark = pytest.mark.gloo
 
@@ -59,7 +56,7 @@ def _run(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
     if cfg.get("no_reuse_on_rank") == rank:
         block_split.structural_key = lambda gm, inputs: object()  # type: ignore[assignment]
     try:
-        with _split_logs() as records:
+        with split_logs() as records:
             model = torch.compile(net, backend=backend, fullgraph=True)
             compiled = train(net, model, rank, **build_kwargs)
     finally:
@@ -69,29 +66,6 @@ def _run(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
         "breaks": sum(compat.dynamo_counters()["graph_break"].values()),
         "split": records,
     }
-
-
-@contextlib.contextmanager
-def _split_logs() -> Iterator[list[str]]:
-    """The block split's INFO lines that say how a graph was split, while the block runs."""
-    from dynamo_ext import block_split
-
-    records: list[str] = []
-
-    class _Keep(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            if "submodules" in record.getMessage():
-                records.append(record.getMessage())
-
-    logger = logging.getLogger(block_split.__name__)
-    handler, level = _Keep(), logger.level
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
-    try:
-        yield records
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(level)
 
 
 TITAN = Path(__file__).resolve().parent.parent / "examples" / "titan_llama_audit.py"
@@ -107,7 +81,7 @@ def _titan(rank: int, world: int, compiled_autograd: bool) -> dict[str, Any]:
     example = sys.modules[spec.name] = importlib.util.module_from_spec(spec)  # its dataclasses look it up
     spec.loader.exec_module(example)
     model, optim, step = example.make_step()
-    with _split_logs() as records:
+    with split_logs() as records:
         result = check_step(Step(model, optim, step), rtol=1e-4, atol=1e-5)
     return {"compared": result["compared"], "mismatches": result["mismatches"][:3], "split": records}
 
