@@ -34,7 +34,9 @@ runs in its own copy of Dynamo's ``TracingContext`` (``own_tracing_context``):
 AOTAutograd keeps that context for the backward it compiles lazily, which
 then reads its own forward's metadata.  The backward runs as one compiled
 backward per submodule, chained by autograd; a shared compile's backward is
-compiled once.  Under compiled autograd the backward is traced whole.
+compiled once.  Under compiled autograd the backward graph is cut at its
+copies of these compiles' backwards (NOTE [compiled-autograd backward compiled
+once per block]).
 """
 
 from __future__ import annotations
@@ -53,30 +55,11 @@ from torch.fx.node import map_arg
 
 from . import _compat, config
 from ._patching import Patcher
+from .block_split_backward import backward_partition, flat_backward_graph
 from .fx.nodes import container_item, is_invoke_subgraph, static_layout
+from .fx.ops import op_signature, target_name
 
 log = logging.getLogger(__name__)
-
-
-def _target_name(target: Any) -> str:
-    if isinstance(target, str):
-        return target
-    return f"{getattr(target, '__module__', '')}.{getattr(target, '__qualname__', None) or getattr(target, '__name__', repr(type(target)))}"
-
-
-def _op_signature(gm: torch.fx.GraphModule, nodes: list[torch.fx.Node]) -> tuple[Any, ...]:
-    """The ops of ``nodes`` in order (op kind and target, a body's own ops): equal on every rank for the same code."""
-    out = []
-    for n in nodes:
-        if n.op == "get_attr":
-            attr = getattr(gm, str(n.target), None)
-            if isinstance(attr, torch.fx.GraphModule):
-                out.append(("body", _op_signature(attr, list(attr.graph.nodes))))
-            else:
-                out.append(("get_attr",))
-        else:
-            out.append((n.op, _target_name(n.target) if n.op != "placeholder" else ""))
-    return tuple(out)
 
 
 def block_partition(gm: torch.fx.GraphModule) -> dict[torch.fx.Node, int] | None:
@@ -111,7 +94,7 @@ def block_partition(gm: torch.fx.GraphModule) -> dict[torch.fx.Node, int] | None
     # The last block: as long as the one before it when their ops agree, else up to its own last node.
     prev_len = ends[-1] - starts[-2]
     tail = nodes[starts[-1] : starts[-1] + prev_len]
-    if len(tail) == prev_len and _op_signature(gm, tail) == _op_signature(gm, nodes[starts[-2] : ends[-1]]):
+    if len(tail) == prev_len and op_signature(gm, tail) == op_signature(gm, nodes[starts[-2] : ends[-1]]):
         ends.append(starts[-1] + prev_len)
     else:
         ends.append(items[-1][1] + 1)
@@ -119,7 +102,7 @@ def block_partition(gm: torch.fx.GraphModule) -> dict[torch.fx.Node, int] | None
         if last_node >= end:  # a block's node after the next block began: not one block after another
             log.info("blocks compiled once: %s's blocks interleave in the graph; compiled as one graph", container)
             return None
-    sigs = Counter(_op_signature(gm, nodes[s:e]) for s, e in zip(starts, ends, strict=True))
+    sigs = Counter(op_signature(gm, nodes[s:e]) for s, e in zip(starts, ends, strict=True))
     if sigs.most_common(1)[0][1] < 2:
         log.info("blocks compiled once: no two of %s's %d blocks have the same ops; one graph", container, count)
         return None
@@ -171,6 +154,9 @@ def _constant_key(value: Any) -> Any:
         return ("slice", _constant_key((value.start, value.stop, value.step)))
     if isinstance(value, torch._ops.OpOverload | torch._ops.OpOverloadPacket | torch._ops.HigherOrderOperator):
         return ("op", str(value))
+    if isinstance(value, torch.SymInt | torch.SymFloat | torch.SymBool):
+        key = _size_key(value)
+        return ("symbolic", id(value)) if key is None else key
     if _compat.is_placement(value):
         return ("placement", repr(value))
     if _compat.is_device_mesh(value):
@@ -178,20 +164,46 @@ def _constant_key(value: Any) -> Any:
     return ("object", type(value).__qualname__, id(value))
 
 
+def _function_key(fn: Any) -> Any:
+    """A call target as a key: a closure by its code, defaults and the objects its cells hold (compiled
+    autograd makes one ``call_aot_bwd_prologue`` closure per AOTAutograd backward it copies, over the same
+    compiled function's prologue), any other callable by identity."""
+    code, cells = getattr(fn, "__code__", None), getattr(fn, "__closure__", None)
+    if code is None or not cells:
+        return id(fn)
+    try:
+        held = tuple(id(c.cell_contents) for c in cells)
+    except ValueError:  # an empty cell
+        return id(fn)
+    return (id(code), held, id(fn.__defaults__), id(fn.__kwdefaults__), id(fn.__globals__))
+
+
+def _size_key(size: Any) -> Any:
+    """A size, stride or offset as a key: an int as it is, a symbolic one by its expression (two inputs of one
+    graph whose sizes have the same expression have the same sizes at run time), None for an unbacked one."""
+    if isinstance(size, int):
+        return size
+    if _compat.free_unbacked_symbols(size):
+        return None
+    return ("sym", str(size.node.expr))
+
+
 def _tensor_key(value: Any) -> Any:
     if not isinstance(value, torch.Tensor):
         return _constant_key(value)
     if not static_layout(value):
-        return ("symbolic", id(value))  # an unbacked size: this input is its own, the submodule compiled alone
+        layout = tuple(_size_key(s) for s in (*value.shape, *value.stride(), value.storage_offset()))
+        if None in layout:
+            return ("symbolic", id(value))  # an unbacked size: this input is its own, the submodule compiled alone
     spec = _compat.dtensor_spec_key(value)
     return (
         type(value).__qualname__,
-        tuple(value.shape),
-        tuple(value.stride()),
-        value.storage_offset() if spec is None else None,
+        tuple(_size_key(s) for s in value.shape),
+        tuple(_size_key(s) for s in value.stride()),
+        _size_key(value.storage_offset()) if spec is None else None,
         value.dtype,
         value.device,
-        value.requires_grad,
+        value.requires_grad and torch.is_grad_enabled(),  # AOTAutograd differentiates only under grad mode
         spec,
     )
 
@@ -222,7 +234,9 @@ def _graph_key(gm: torch.fx.GraphModule) -> tuple[Any, ...]:
         elif n.op == "placeholder":
             target = None
         else:
-            target = ("fn", id(n.target), _target_name(n.target)) if callable(n.target) else ("name", n.target)
+            target = (
+                ("fn", _function_key(n.target), target_name(n.target)) if callable(n.target) else ("name", n.target)
+            )
         out.append((n.op, target, arg(n.args), arg(n.kwargs)))
     return tuple(out)
 
@@ -327,7 +341,8 @@ def compile_blocks(
         _state.splitting = False
     split.recompile()
     log.info(
-        "blocks compiled once: %d submodules, %d compiled, %d running an identical block's compile%s",
+        "blocks compiled once: %s%d submodules, %d compiled, %d running an identical block's compile%s",
+        "compiled-autograd backward, " if _compat.compiling_compiled_autograd_graph() else "",
         compiles + reused,
         compiles,
         reused,
@@ -340,35 +355,53 @@ def _dynamic_tensor(value: Any) -> bool:
     return isinstance(value, torch.Tensor) and not static_layout(value)
 
 
-def _partition_for(gm: Any, example_inputs: Any) -> dict[torch.fx.Node, int] | None:
-    """The block partition of a graph handed to a backend entry, or None to compile it whole."""
+def _plan(gm: Any, example_inputs: Any) -> tuple[torch.fx.GraphModule, dict[torch.fx.Node, int], Any] | None:
+    """How a graph handed to a backend entry is split: ``(graph, partition, flat)`` where ``flat`` is None or,
+    for a compiled-autograd backward, the :class:`FlatBackward` whose graph is ``graph``; or None to compile the
+    graph whole."""
     if not config.compile_blocks_once or getattr(_state, "splitting", False):
         return None
-    if not isinstance(gm, torch.fx.GraphModule) or any(isinstance(x, list | tuple | dict) for x in example_inputs):
+    ctx = _compat.tracing_context()
+    if ctx is None or getattr(ctx, "ddp_optimizer_ctx", None) is not None:  # no Dynamo, or DDPOptimizer's split
         return None
-    if "dynamo_compile_id" not in gm.meta:  # not a graph Dynamo traced (export, a direct compile_fx call)
-        return None
-    if _compat.compiling_compiled_autograd_graph():
-        return None
+    if any(isinstance(x, list | tuple | dict) for x in example_inputs):
+        return None  # handed back unpacked (Dynamo's flatten_graph_inputs)
+    if _compat.compiling_compiled_autograd_graph():  # NOTE [compiled-autograd backward compiled once per block]
+        flat = flat_backward_graph(gm, example_inputs)
+        if flat is None or any(is_invoke_subgraph(n) for n in flat.gm.graph.nodes):
+            return None
+        partition = backward_partition(flat.gm)
+        return None if partition is None else (flat.gm, partition, flat)
+    if not isinstance(gm, torch.fx.GraphModule) or "dynamo_compile_id" not in gm.meta:
+        return None  # not a graph Dynamo traced (export, a direct compile_fx call)
     if any(isinstance(x, torch.SymInt | torch.SymFloat | torch.SymBool) or _dynamic_tensor(x) for x in example_inputs):
         log.info("blocks compiled once: the graph has dynamic-shape inputs; compiled whole")
         return None
     if any(is_invoke_subgraph(n) for n in gm.graph.nodes):
         log.info("blocks compiled once: the graph already shares regions (invoke_subgraph); compiled whole")
         return None
-    ctx = _compat.tracing_context()
-    if ctx is None or getattr(ctx, "ddp_optimizer_ctx", None) is not None:  # no Dynamo, or DDPOptimizer's split
+    partition = block_partition(gm)
+    return None if partition is None else (gm, partition, None)
+
+
+def _split_and_compile(
+    gm: Any, example_inputs: Any, compile_one: Callable[[torch.fx.GraphModule, list[Any]], Any]
+) -> Any | None:
+    """The block split of ``gm`` compiled with ``compile_one``, or None to compile ``gm`` whole."""
+    plan = _plan(gm, example_inputs)
+    if plan is None:
         return None
-    return block_partition(gm)
+    graph, partition, flat = plan
+    if flat is None:
+        return compile_blocks(graph, partition, example_inputs, compile_one)
+    return flat.boxed(compile_blocks(graph, partition, flat.inputs(list(example_inputs)), compile_one))
 
 
 def _wrapped_compile_fx(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def compile_fx(model_: Any, example_inputs_: Any, *args: Any, **kwargs: Any) -> Any:
-        partition = _partition_for(model_, example_inputs_)
-        if partition is None:
-            return original(model_, example_inputs_, *args, **kwargs)
-        return compile_blocks(model_, partition, example_inputs_, lambda g, i: original(g, i, *args, **kwargs))
+        split = _split_and_compile(model_, example_inputs_, lambda g, i: original(g, i, *args, **kwargs))
+        return original(model_, example_inputs_, *args, **kwargs) if split is None else split
 
     return compile_fx
 
@@ -376,10 +409,8 @@ def _wrapped_compile_fx(original: Callable[..., Any]) -> Callable[..., Any]:
 def _wrapped_aot_autograd_call(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def call(self: Any, gm: Any, example_inputs: Any, **kwargs: Any) -> Any:
-        partition = _partition_for(gm, example_inputs)
-        if partition is None:
-            return original(self, gm, example_inputs, **kwargs)
-        return compile_blocks(gm, partition, example_inputs, lambda g, i: original(self, g, i, **kwargs))
+        split = _split_and_compile(gm, example_inputs, lambda g, i: original(self, g, i, **kwargs))
+        return original(self, gm, example_inputs, **kwargs) if split is None else split
 
     return call
 

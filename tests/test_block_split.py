@@ -160,3 +160,85 @@ def test_dynamic_shape_inputs_are_compiled_whole(world, caplog):
         _, aot = _compile_step(net, x)
     assert aot == 1
     assert "dynamic-shape inputs; compiled whole" in caplog.text
+
+
+def _compiled_autograd_step(net: torch.nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
+    from dynamo_ext import _compat
+
+    out = torch.compile(net, backend="aot_eager", fullgraph=True)(x)
+    with _compat.compiled_autograd(torch.compile(backend="aot_eager", fullgraph=True)):
+        out.float().sum().backward()
+    return [_compat.local_tensor_of(p.grad).clone() for p in net.parameters()]
+
+
+@pytest.mark.parametrize("blocks", [3, 6])
+def test_compiled_autograd_backward_is_cut_at_its_blocks(world, caplog, blocks):
+    from torch._dynamo.utils import counters
+
+    import dynamo_ext
+
+    torch.manual_seed(0)
+    net = build(4, inners=(6,) * blocks)
+    with caplog.at_level(logging.INFO, logger=block_split.__name__):
+        counters.clear()
+        grads = _compiled_autograd_step(net, batch(0, 0))
+    # NOTE [compiled-autograd backward compiled once per block]: the backward graph copies one AOT backward per
+    # forward submodule; the blocks' copies after the first run its compile, whatever the depth
+    assert (
+        f"compiled-autograd backward, {blocks + 2} submodules, 3 compiled, {blocks - 1} running an identical "
+        "block's compile" in caplog.text
+    )
+    assert counters["aot_autograd"]["total"] == 6  # three forward compiles, three backward ones
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    whole = build(4, inners=(6,) * blocks)
+    with dynamo_ext.config.patch(compile_blocks_once=False):
+        expected = _compiled_autograd_step(whole, batch(0, 0))
+    assert len(grads) == len(expected) > blocks
+    for got, want in zip(grads, expected, strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_backward_partition_needs_two_identical_aot_backwards():
+    graph = torch.fx.Graph()
+    graph.output(graph.call_function(torch.neg, (graph.placeholder("a"),)))
+    assert block_split.backward_partition(torch.fx.GraphModule(torch.nn.Module(), graph)) is None
+
+
+def test_structural_key_matches_closures_over_the_same_objects_and_symbolic_sizes():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    def closure(held: Any) -> Any:
+        def fn(t: torch.Tensor) -> torch.Tensor:
+            return t + held
+
+        return fn
+
+    def graph_calling(fn: Any) -> torch.fx.GraphModule:
+        graph = torch.fx.Graph()
+        graph.output(graph.call_function(fn, (graph.placeholder("a"),)))
+        return torch.fx.GraphModule(torch.nn.Module(), graph)
+
+    one, other = torch.ones(()), torch.ones(())
+    x = torch.randn(2, 3)
+    # compiled autograd makes one prologue closure per copied backward, over the same compiled function's parts
+    assert block_split.structural_key(graph_calling(closure(one)), [x]) == block_split.structural_key(
+        graph_calling(closure(one)), [x]
+    )
+    assert block_split.structural_key(graph_calling(closure(one)), [x]) != block_split.structural_key(
+        graph_calling(closure(other)), [x]
+    )
+    mode = FakeTensorMode(shape_env=ShapeEnv())
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, StatelessSymbolicContext
+
+    def symbolic(t: torch.Tensor, source: str) -> torch.Tensor:
+        from torch._dynamo.source import LocalSource
+
+        ctx = StatelessSymbolicContext(dynamic_sizes=[DimDynamic.DYNAMIC, DimDynamic.STATIC])
+        return mode.from_tensor(t, source=LocalSource(source), symbolic_context=ctx)
+
+    gm = graph_calling(torch.neg)
+    a, b = symbolic(torch.randn(2, 3), "a"), symbolic(torch.randn(5, 3), "b")
+    assert block_split.structural_key(gm, [a]) == block_split.structural_key(gm, [a.detach()])  # same symbol
+    assert block_split.structural_key(gm, [a]) != block_split.structural_key(gm, [b])  # another symbol

@@ -2,8 +2,9 @@
 
 Four identical FSDP2 blocks (uneven shards), FSDP2 alone with ``inductor`` and FSDP over TP with
 ``aot_eager``: loss, gradients (type, placements, local shard) and parameters after 3 SGD steps equal eager
-FSDP2's, with the blocks' compile shared.  One configuration makes one rank's reuse decisions differ from the
-others' (rank 1 compiles every block): the ranks still run the same collectives and the same numbers.  The
+FSDP2's, with the blocks' compile shared.  Two configurations make one rank's reuse decisions differ from the
+others' (rank 1 compiles every block), one of them with the backward under compiled autograd, cut at its blocks
+too: the ranks still run the same collectives and the same numbers.  The
 other FSDP2 settings (mixed precision, module groups, activation checkpointing, compiled autograd, ...) run
 split by default in ``test_fsdp_training_gloo.py``.  The torchtitan-style Llama of
 ``examples/titan_llama_audit.py`` (sequence parallel, loss parallel, full activation checkpointing, the
@@ -35,6 +36,13 @@ CONFIGS = {
     "fsdp_inductor": {"backend": "inductor"},
     # rank 1 never reuses a compile: its reuse decisions differ from every other rank's
     "rank1_compiles_every_block": {"backend": "inductor", "no_reuse_on_rank": 1},
+    # the backward under compiled autograd cut at the blocks too (NOTE [compiled-autograd backward compiled once
+    # per block]), with rank 1 again compiling every block
+    "compiled_autograd_rank1_compiles_every_block": {
+        "backend": "inductor",
+        "compiled_autograd": True,
+        "no_reuse_on_rank": 1,
+    },
 }
 TOL = 1e-5
 
@@ -55,10 +63,18 @@ def _run(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
     original_key = block_split.structural_key
     if cfg.get("no_reuse_on_rank") == rank:
         block_split.structural_key = lambda gm, inputs: object()  # type: ignore[assignment]
+
+    def backward(loss: torch.Tensor) -> None:
+        if not cfg.get("compiled_autograd"):
+            loss.backward()
+            return
+        with compat.compiled_autograd(torch.compile(backend=backend, fullgraph=True)):
+            loss.backward()
+
     try:
         with split_logs() as records:
             model = torch.compile(net, backend=backend, fullgraph=True)
-            compiled = train(net, model, rank, **build_kwargs)
+            compiled = train(net, model, rank, backward=backward, **build_kwargs)
     finally:
         block_split.structural_key = original_key  # type: ignore[assignment]
     return {
@@ -105,6 +121,8 @@ def test_blocks_compiled_once_match_eager_fsdp2(ranks, name):
         no_reuse = CONFIGS[name].get("no_reuse_on_rank") == rank
         expected = "6 submodules, 6 compiled, 0 running" if no_reuse else "6 submodules, 3 compiled, 3 running"
         assert any(expected in m for m in r["split"]), where
+        if CONFIGS[name].get("compiled_autograd"):
+            assert any(f"compiled-autograd backward, {expected}" in m for m in r["split"]), where
 
 
 @pytest.mark.parametrize("backward", ["eager_backward", "compiled_autograd"])
@@ -114,6 +132,15 @@ def test_torchtitan_style_llama_split_matches_eager(ranks, backward):
         # loss, 21 gradients (type, placements, local shard) and 21 parameters after AdamW
         assert r["compared"] == 43 and r["mismatches"] == [], where
         # the embedding, two blocks (the second runs the first one's compile) and the [norm, output] group
+        forward = "blocks compiled once: 4 submodules, 3 compiled, 1 running an identical block's compile"
+        if backward == "eager_backward":
+            assert r["split"] == [forward], where
+            continue
+        # compiled autograd's backward graph is cut at the same four compiles' backwards; each block's copy gets
+        # its own compile here: full activation checkpointing saves each block's RNG state, whose size compiled
+        # autograd makes a symbol of its own per block (NOTE [compiled-autograd backward compiled once per block])
         assert r["split"] == [
-            "blocks compiled once: 4 submodules, 3 compiled, 1 running an identical block's compile"
+            forward,
+            "blocks compiled once: compiled-autograd backward, 4 submodules, 4 compiled, 0 running an identical "
+            "block's compile",
         ], where

@@ -65,6 +65,7 @@ from .compiled_autograd import (
     compiling_compiled_autograd_graph,
     in_autograd_backward,
     in_compiled_autograd_region,
+    is_aot_backward_prologue,
     tensor_hooks,
 )
 from .config_module import (
@@ -199,10 +200,12 @@ from .symm_mem import (
 )
 from .tracing import (
     aten_op,
+    boxed_codegen,
     destroy_library,
     detect_fake_mode,
     fake_mode_of,
     fake_tensor,
+    free_unbacked_symbols,
     has_fake_tensor,
     invoke_subgraph_op,
     is_higher_order_op,
@@ -242,6 +245,7 @@ __all__ = [
     "aten_op",
     "backend_swapped",
     "backward_hook_variable_class",
+    "boxed_codegen",
     "cache_custom_autograd_functions",
     "cache_key_pickler_class",
     "checkpoint_tags_nested_ops",
@@ -285,6 +289,7 @@ __all__ = [
     "fake_mode_of",
     "fake_tensor",
     "forget_symm_mem_groups",
+    "free_unbacked_symbols",
     "fresh_compile_kwargs",
     "fsdp_ddp_mesh_info",
     "fsdp_forward_training_state",
@@ -322,6 +327,7 @@ __all__ = [
     "install_guard",
     "invoke_subgraph_op",
     "ir_module",
+    "is_aot_backward_prologue",
     "is_autograd_function_apply",
     "is_compiling_context",
     "is_device_mesh",

@@ -92,3 +92,12 @@ def tensor_hooks(t: Any) -> tuple[dict[int, Any], dict[int, Any]]:
     ``Tensor._backward_hooks`` / ``Tensor._post_accumulate_grad_hooks`` (2.11 to 2.15; None when empty).
     """
     return dict(getattr(t, "_backward_hooks", None) or {}), dict(getattr(t, "_post_accumulate_grad_hooks", None) or {})
+
+
+def is_aot_backward_prologue(target: Any) -> bool:
+    """Whether ``target`` is the prologue compiled autograd calls before each AOTAutograd backward it copies into
+    its graph (``proxy_call_aot_backward``'s ``call_aot_bwd_prologue``, 2.13; probed by its qualified name, so a
+    release that names it otherwise reads False and its backward graph is compiled whole)."""
+    return getattr(target, "__module__", None) == "torch._dynamo.compiled_autograd" and str(
+        getattr(target, "__qualname__", "")
+    ).endswith("proxy_call_aot_backward.<locals>.call_aot_bwd_prologue")

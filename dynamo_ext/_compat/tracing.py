@@ -184,3 +184,19 @@ def own_tracing_context() -> Iterator[None]:
             setattr(own, name, value)
     with torch._guards.tracing(own):
         yield
+
+
+def free_unbacked_symbols(value: Any) -> set[Any]:
+    """The unbacked symbols (data-dependent sizes) in a SymInt, SymFloat, SymBool or sympy expression
+    (``torch.fx.experimental.symbolic_shapes.free_unbacked_symbols``, 2.11 to 2.15)."""
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols as free
+
+    return set(free(value))
+
+
+def boxed_codegen() -> Any:
+    """FX's code generator for the boxed calling convention (``torch.fx.graph._BoxedCodeGen``, 2.13: the
+    generated ``forward(self, args_list)`` takes its inputs from one list and clears it, so each input can be
+    freed after its last use); None where the release has none."""
+    cls = optional_attr("torch.fx.graph", "_BoxedCodeGen")
+    return None if cls is None else cls()
