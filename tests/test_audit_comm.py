@@ -377,4 +377,4 @@ def test_in_process_audit_compiles_every_block_and_counts_its_collectives(plugin
         "(config.reuse_block_compiles off)"
     ]
     assert report.plugin["blocks"] == BLOCKS_EACH_FOR_AUDIT
-    assert "plugin: graphs cut at their blocks as a run cuts them" in str(report)  # the header (rich wraps it)
+    assert "plugin: graphs with repeated blocks cut at them as a run cuts them" in str(report)  # (rich wraps it)

@@ -41,7 +41,7 @@ class EventKind(StrEnum):
 # ``Start.plugin["blocks"]``: how the plugin compiled the graphs it traced (NOTE [the audit compiles each block]
 # in ``rank/blocks.py``); the report prints it as it is.
 BLOCKS_EACH_FOR_AUDIT = (
-    "graphs cut at their blocks as a run cuts them, every block compiled for the audit: "
+    "graphs with repeated blocks cut at them as a run cuts them, every block compiled for the audit: "
     "a run compiles identical blocks once, faster than the compile times here"
 )
 BLOCKS_WHOLE_BY_USER = "each graph compiled whole (dynamo_ext.config.compile_blocks_once off)"
