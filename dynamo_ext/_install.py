@@ -60,13 +60,13 @@ def _install() -> None:
         aot_cache_policy,
         aot_rng_order,
         async_collective_inputs,
-        block_reuse,
-        block_split,
         collective_check,
         guards,
         inductor_lowerings,
         variables,
     )
+    from .blocks import reuse as block_reuse
+    from .blocks import split as block_split
     from .spmd import ddp_overlap
 
     with _compat.compile_lock():  # NOTE [install under threads]

@@ -263,7 +263,7 @@ def run_parts_on_ranks(parts: dict[str, Callable[..., Any]], *, nproc: int = 4, 
 def split_logs() -> Iterator[list[str]]:
     """The block split's INFO lines that say how each graph was split (NOTE [blocks compiled once]), while the
     block runs: ``"blocks compiled once: N submodules, C compiled, R running an identical block's compile"``."""
-    from dynamo_ext import block_split
+    from dynamo_ext.blocks import split as block_split
 
     records: list[str] = []
 

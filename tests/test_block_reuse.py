@@ -11,7 +11,8 @@ from fsdp_training import batch, build
 from helpers import CountingBackend, assert_sgd_steps_match_eager
 
 import dynamo_ext
-from dynamo_ext import _compat, block_reuse
+from dynamo_ext import _compat
+from dynamo_ext.blocks import reuse as block_reuse
 from dynamo_ext.fx.nodes import is_invoke_subgraph
 
 pytestmark = pytest.mark.skipif(_compat.graph_region_tracker_class() is None, reason="no graph deduplication")
@@ -35,7 +36,7 @@ def _block_nodes(gm: torch.fx.GraphModule, block: str) -> list[torch.fx.Node]:
 
 
 def test_identical_blocks_traced_into_one_subgraph_and_a_different_block_inline(world, caplog):
-    with caplog.at_level(logging.INFO, logger="dynamo_ext.block_reuse"):
+    with caplog.at_level(logging.INFO, logger="dynamo_ext.blocks.reuse"):
         gm = _trace((6, 6, 6, 8), reuse=True)
     calls = _calls(gm)
     body, uses = calls.most_common(1)[0]

@@ -16,7 +16,7 @@ import torch
 from fsdp_training import batch, build
 from helpers import CountingBackend
 
-from dynamo_ext import block_split
+from dynamo_ext.blocks import split as block_split
 from dynamo_ext.fx.nodes import container_item
 
 

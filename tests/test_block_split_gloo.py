@@ -49,7 +49,7 @@ TOL = 1e-5
 
 def _run(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
     import dynamo_ext._compat as compat
-    from dynamo_ext import block_split
+    from dynamo_ext.blocks import split as block_split
 
     build_kwargs = {k: v for k, v in cfg.items() if k == "tp"}
     inners = (6, 6, 6, 6)

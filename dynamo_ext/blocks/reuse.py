@@ -54,10 +54,10 @@ from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
 
-from . import _compat, config
-from ._patching import Patcher
-from .fx import collectives as fx_collectives
-from .fx.nodes import container_item, example_value, is_invoke_subgraph
+from .. import _compat, config
+from .._patching import Patcher
+from ..fx import collectives as fx_collectives
+from ..fx.nodes import container_item, example_value, is_invoke_subgraph
 
 log = logging.getLogger(__name__)
 

@@ -53,11 +53,11 @@ import torch
 import torch.fx
 from torch.fx.node import map_arg
 
-from . import _compat, config
-from ._patching import Patcher
-from .block_split_backward import backward_partition, flat_backward_graph
-from .fx.nodes import container_item, is_invoke_subgraph, static_layout
-from .fx.ops import op_signature, target_name
+from .. import _compat, config
+from .._patching import Patcher
+from ..fx.nodes import container_item, is_invoke_subgraph, static_layout
+from ..fx.ops import op_signature, target_name
+from .split_backward import backward_partition, flat_backward_graph
 
 log = logging.getLogger(__name__)
 

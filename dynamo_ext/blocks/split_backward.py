@@ -10,7 +10,7 @@ Dynamo traces that graph for the backend.  Blocks that ran one forward compile
 therefore leave identical copies: this module cuts the graph before each
 prologue, so each segment is one AOTAutograd backward, the subclass wrapping of
 its gradients (``make_subclass``) and what runs before the next one (hooks,
-gradient accumulation), and :func:`~dynamo_ext.block_split.compile_blocks`
+gradient accumulation), and :func:`~dynamo_ext.blocks.split.compile_blocks`
 compiles each distinct segment once.  The nodes before the first prologue
 join the first segment.
 
@@ -20,7 +20,7 @@ segment's inputs and outputs are plain values passed on in order; its
 in-place updates (gradient accumulation) run where they ran, in the same
 order.  Sizes compiled autograd made symbolic stay symbolic: two segments
 share a compile when their inputs have the same size expressions
-(:func:`~dynamo_ext.block_split.structural_key`).
+(:func:`~dynamo_ext.blocks.split.structural_key`).
 
 Compiled autograd passes its saved tensors and gradients in one list, which
 the backend sees unpacked (Dynamo's ``flatten_graph_inputs``: a ``GmWrapper``
@@ -44,8 +44,8 @@ from typing import Any
 import torch
 import torch.fx
 
-from . import _compat
-from .fx.ops import op_signature
+from .. import _compat
+from ..fx.ops import op_signature
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """How the audit compiles the graphs it traces, and what the report says of it.
 
 NOTE [the audit compiles each block]
-With ``dynamo_ext.config.compile_blocks_once`` (NOTE [blocks compiled once] in ``block_split.py``) a
+With ``dynamo_ext.config.compile_blocks_once`` (NOTE [blocks compiled once] in ``blocks/split.py``) a
 block that runs another block's compile logs no graphs of its own on the structured trace, so the
 communication report and the collective sequences the ranks compare would miss its collectives
 (three identical blocks, two all-gathers reported).  So ``dynamo-ext audit`` and the in-process
