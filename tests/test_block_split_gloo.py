@@ -33,8 +33,8 @@ pytestmark = pytest.mark.gloo
 # here four, so that three blocks run the first one's compile.
 CONFIGS = {
     "fsdp_over_tp": {"tp": True},
-    "fsdp_inductor": {"backend": "inductor"},
-    # rank 1 never reuses a compile: its reuse decisions differ from every other rank's
+    # FSDP2 with Inductor and uneven shards; rank 1 never reuses a compile (its reuse decisions differ from every
+    # other rank's), ranks 0, 2 and 3 reuse the first block's
     "rank1_compiles_every_block": {"backend": "inductor", "no_reuse_on_rank": 1},
     # the backward under compiled autograd cut at the blocks too (NOTE [compiled-autograd backward compiled once
     # per block]), with rank 1 again compiling every block

@@ -45,7 +45,7 @@ TRACED = {
     "checkpoint_inside": {"checkpoint": "inside"},  # torch.utils.checkpoint inside each FSDP2 block
 }
 # Inductor with the plugin's collective bucketing, where rank 3's short shards give it other graphs and the
-# buckets must still agree: test_block_split_gloo.py ("fsdp_inductor", "rank1_compiles_every_block").
+# buckets must still agree: test_block_split_gloo.py ("rank1_compiles_every_block" and its compiled-autograd twin).
 # Compiled autograd on the configurations whose backward differs most (keeps the file's runtime down);
 # FSDP over TP and the module group under compiled autograd are both in "group_fsdp_over_tp".
 UNDER_COMPILED_AUTOGRAD = (
