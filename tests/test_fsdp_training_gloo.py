@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 from fsdp_training import batch, build, diff, saved_bytes, train
-from helpers import CountingBackend, all_gathers, run_parts_on_ranks
+from helpers import CountingBackend, all_gathers, run_parts_on_ranks, split_logs
 
 pytestmark = pytest.mark.gloo
 
@@ -87,7 +87,8 @@ def _train_compiled(rank: int, world: int, cfg: dict[str, Any], compiled_autogra
         with compat.compiled_autograd(torch.compile(backend=bwd, fullgraph=cfg.get("fullgraph", True))):
             loss.backward()
 
-    compiled = train(net, model, rank, backward=backward, **cfg)
+    with split_logs() as split:
+        compiled = train(net, model, rank, backward=backward, **cfg)
     breaks = sum(compat.dynamo_counters()["graph_break"].values())
     # FSDP2 all-gathers in the forward graphs (inside checkpoint and autograd.Function subgraphs)
     gathers = all_gathers(fwd.graphs)
@@ -98,6 +99,7 @@ def _train_compiled(rank: int, world: int, cfg: dict[str, Any], compiled_autogra
         "breaks": breaks,
         "all_gathers": gathers,
         "fsdp_params": len(list(net.parameters())),
+        "split": split,
     }
 
 
@@ -148,6 +150,11 @@ def test_fsdp2_training_matches_eager(ranks, compiled_autograd):
             if compiled_autograd:
                 # one backward graph; accumulating into an existing .grad is a second (AccumulateGrad differs)
                 assert r["bwd_graphs"] == (2 if name == "accumulate" else 1), where
+                # each backward graph cut at the two FSDP2 blocks' AOT backwards, the second running the first's
+                # compile (NOTE [compiled-autograd backward compiled once per block]); not with the root alone
+                cut = "compiled-autograd backward, 4 submodules, 3 compiled, 1 running an identical block's compile"
+                expected = 0 if name == "root_only" else r["bwd_graphs"]
+                assert sum(cut in m for m in r["split"]) == expected, where
 
 
 UNTRACED = {
