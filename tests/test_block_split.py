@@ -242,3 +242,25 @@ def test_structural_key_matches_closures_over_the_same_objects_and_symbolic_size
     a, b = symbolic(torch.randn(2, 3), "a"), symbolic(torch.randn(5, 3), "b")
     assert block_split.structural_key(gm, [a]) == block_split.structural_key(gm, [a.detach()])  # same symbol
     assert block_split.structural_key(gm, [a]) != block_split.structural_key(gm, [b])  # another symbol
+
+
+def test_the_cut_backward_keeps_the_boxed_calling_convention():
+    from dynamo_ext.blocks.split_backward import FlatBackward
+
+    graph = torch.fx.Graph()
+    a, b = graph.placeholder("a"), graph.placeholder("b")
+    graph.output((graph.call_function(torch.add, (a, b)),))
+    gm = torch.fx.GraphModule(torch.nn.Module(), graph)
+    x, y = torch.randn(3), torch.randn(3)
+    args = [x, y]
+    (out,) = FlatBackward(gm, sizes=[]).boxed(gm)(args)
+    # compiled autograd's inputs come in one list the graph clears, so each can be freed after its last use
+    assert args == [] and torch.equal(out, x + y)
+    # a size symbol the cut needs as an input of its own is read from its tensor at each call
+    graph = torch.fx.Graph()
+    t, n = graph.placeholder("t"), graph.placeholder("t_size_0")
+    graph.output((graph.call_function(torch.mul, (t, n)),))
+    sized = torch.fx.GraphModule(torch.nn.Module(), graph)
+    args = [torch.ones(5)]
+    (out,) = FlatBackward(sized, sizes=[(0, 0, False)]).boxed(sized)(args)
+    assert args == [] and torch.equal(out, torch.full((5,), 5.0))
