@@ -241,7 +241,9 @@ def test_structural_key_matches_closures_over_the_same_objects_and_symbolic_size
     gm = graph_calling(torch.neg)
     a, b = symbolic(torch.randn(2, 3), "a"), symbolic(torch.randn(5, 3), "b")
     assert block_split.structural_key(gm, [a]) == block_split.structural_key(gm, [a.detach()])  # same symbol
-    assert block_split.structural_key(gm, [a]) != block_split.structural_key(gm, [b])  # another symbol
+    # another symbol of the same range: the same key, symbols named by position (compile_blocks shares the
+    # compile only where the guards hold renamed: test_block_symbols.py)
+    assert block_split.structural_key(gm, [a]) == block_split.structural_key(gm, [b])
 
 
 def test_the_cut_backward_keeps_the_boxed_calling_convention():

@@ -200,3 +200,20 @@ def boxed_codegen() -> Any:
     freed after its last use); None where the release has none."""
     cls = optional_attr("torch.fx.graph", "_BoxedCodeGen")
     return None if cls is None else cls()
+
+
+def shape_env_facts(value: Any) -> tuple[Any, list[Any], dict[Any, Any], dict[Any, Any]] | None:
+    """``(shape_env, guard expressions, replacements, value ranges)`` of the ``ShapeEnv`` a SymInt, SymFloat or
+    SymBool belongs to (``ShapeEnv.guards``, ``.replacements``, ``.var_to_range``: 2.11 to 2.15); None for a
+    plain value."""
+    node = getattr(value, "node", None)
+    env = getattr(node, "shape_env", None)
+    if env is None:
+        return None
+    return env, [g.expr for g in env.guards], env.replacements, env.var_to_range
+
+
+def evaluate_guard(shape_env: Any, expr: Any) -> bool:
+    """Evaluate a sympy condition on sizes at the current sizes, recording it as a guard of the frame being
+    compiled (``ShapeEnv.evaluate_expr``)."""
+    return bool(shape_env.evaluate_expr(expr))

@@ -4,5 +4,7 @@
   compile per distinct block (NOTE [blocks compiled once]; on by default).
 - :mod:`.split_backward`: where a compiled-autograd backward graph is cut (NOTE [compiled-autograd backward
   compiled once per block]).
+- :mod:`.symbols`: keys and guards for blocks whose inputs differ only in their size symbols (NOTE [blocks
+  that differ only in their size symbols]).
 - :mod:`.reuse`: Dynamo's graph deduplication into ``invoke_subgraph`` regions (NOTE [block reuse]; opt-in).
 """

@@ -58,6 +58,7 @@ from .._patching import Patcher
 from ..fx.nodes import container_item, is_invoke_subgraph, static_layout
 from ..fx.ops import op_signature, target_name
 from .split_backward import backward_partition, flat_backward_graph
+from .symbols import canonical_names, input_symbols, may_rename, size_key, symbol_facts
 
 log = logging.getLogger(__name__)
 
@@ -155,7 +156,7 @@ def _constant_key(value: Any) -> Any:
     if isinstance(value, torch._ops.OpOverload | torch._ops.OpOverloadPacket | torch._ops.HigherOrderOperator):
         return ("op", str(value))
     if isinstance(value, torch.SymInt | torch.SymFloat | torch.SymBool):
-        key = _size_key(value)
+        key = size_key(value)
         return ("symbolic", id(value)) if key is None else key
     if _compat.is_placement(value):
         return ("placement", repr(value))
@@ -178,29 +179,22 @@ def _function_key(fn: Any) -> Any:
     return (id(code), held, id(fn.__defaults__), id(fn.__kwdefaults__), id(fn.__globals__))
 
 
-def _size_key(size: Any) -> Any:
-    """A size, stride or offset as a key: an int as it is, a symbolic one by its expression (two inputs of one
-    graph whose sizes have the same expression have the same sizes at run time), None for an unbacked one."""
-    if isinstance(size, int):
-        return size
-    if _compat.free_unbacked_symbols(size):
-        return None
-    return ("sym", str(size.node.expr))
-
-
-def _tensor_key(value: Any) -> Any:
+def _tensor_key(value: Any, names: dict[Any, Any] | None = None) -> Any:
+    if isinstance(value, torch.SymInt | torch.SymFloat | torch.SymBool):
+        key = size_key(value, names)
+        return ("symbolic", id(value)) if key is None else key
     if not isinstance(value, torch.Tensor):
         return _constant_key(value)
     if not static_layout(value):
-        layout = tuple(_size_key(s) for s in (*value.shape, *value.stride(), value.storage_offset()))
+        layout = tuple(size_key(s) for s in (*value.shape, *value.stride(), value.storage_offset()))
         if None in layout:
             return ("symbolic", id(value))  # an unbacked size: this input is its own, the submodule compiled alone
     spec = _compat.dtensor_spec_key(value)
     return (
         type(value).__qualname__,
-        tuple(_size_key(s) for s in value.shape),
-        tuple(_size_key(s) for s in value.stride()),
-        _size_key(value.storage_offset()) if spec is None else None,
+        tuple(size_key(s, names) for s in value.shape),
+        tuple(size_key(s, names) for s in value.stride()),
+        size_key(value.storage_offset(), names) if spec is None else None,
         value.dtype,
         value.device,
         value.requires_grad and torch.is_grad_enabled(),  # AOTAutograd differentiates only under grad mode
@@ -244,7 +238,11 @@ def _graph_key(gm: torch.fx.GraphModule) -> tuple[Any, ...]:
 def structural_key(gm: torch.fx.GraphModule, inputs: list[Any]) -> tuple[Any, ...]:
     """What a compiled submodule depends on: its graph (ops, targets, constants, bodies) and its inputs'
     metadata (type, shape, stride, dtype, device, ``requires_grad``, a DTensor's mesh and placements) and which
-    of them share storage.  Two submodules with equal keys compute the same function of their inputs."""
+    of them share storage.  Two submodules with equal keys compute the same function of their inputs.
+
+    Size symbols are named by their order among the inputs, with their value ranges (NOTE [blocks that
+    differ only in their size symbols]): two keys may be equal for inputs with other symbols, which
+    :func:`compile_blocks` shares only after :func:`.symbols.carry_guards`."""
     storages: dict[Any, int] = {}
     alias: list[Any] = []
     for x in inputs:
@@ -256,7 +254,14 @@ def structural_key(gm: torch.fx.GraphModule, inputs: list[Any]) -> tuple[Any, ..
         except (RuntimeError, NotImplementedError):  # no storage (a sparse or nested tensor): its own
             storage = ("own", id(x))
         alias.append(storages.setdefault(storage, len(storages)))
-    return (_graph_key(gm), tuple(_tensor_key(x) for x in inputs), tuple(alias))
+    symbols = input_symbols(inputs)
+    names = canonical_names(symbols)
+    return (
+        _graph_key(gm),
+        tuple(_tensor_key(x, names) for x in inputs),
+        tuple(alias),
+        symbol_facts(inputs, symbols),
+    )
 
 
 _state = threading.local()
@@ -265,10 +270,11 @@ _state = threading.local()
 class _Compiled(torch.nn.Module):
     """A submodule's compiled callable, called as the submodule was (a single output unwrapped)."""
 
-    def __init__(self, fn: Callable[..., Any], single_output: bool) -> None:
+    def __init__(self, fn: Callable[..., Any], single_output: bool, symbols: list[Any]) -> None:
         super().__init__()
         self.fn = fn
         self.single_output = single_output
+        self.symbols = symbols  # the size symbols of the inputs it was compiled for
 
     def forward(self, *args: Any) -> Any:
         out = self.fn(*args)
@@ -326,9 +332,13 @@ def compile_blocks(
                         out = sub(*args)
                     env[n] = out[0] if single else out
                     hit = compiled.get(key) if config.reuse_block_compiles else None
+                    symbols = input_symbols(args)
+                    if hit is not None and hit.symbols != symbols and not may_rename(args, hit.symbols, symbols):
+                        hit = None
                     if hit is None:
                         with _compat.own_tracing_context():
-                            hit = compiled[key] = _Compiled(compile_one(sub, args), single)
+                            hit = _Compiled(compile_one(sub, args), single, symbols)
+                        compiled.setdefault(key, hit)
                         compiles += 1
                     else:
                         reused += 1

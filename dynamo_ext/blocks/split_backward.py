@@ -19,8 +19,9 @@ is the same.  The graph has no autograd of its own (it is the backward), so a
 segment's inputs and outputs are plain values passed on in order; its
 in-place updates (gradient accumulation) run where they ran, in the same
 order.  Sizes compiled autograd made symbolic stay symbolic: two segments
-share a compile when their inputs have the same size expressions
-(:func:`~dynamo_ext.blocks.split.structural_key`).
+share a compile when their inputs have the same size expressions, or differ
+only in which symbols they carry (:func:`~dynamo_ext.blocks.split.structural_key`,
+NOTE [blocks that differ only in their size symbols]).
 
 Compiled autograd passes its saved tensors and gradients in one list, which
 the backend sees unpacked (Dynamo's ``flatten_graph_inputs``: a ``GmWrapper``
