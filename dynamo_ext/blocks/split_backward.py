@@ -15,7 +15,9 @@ compiles each distinct segment once.  The nodes before the first prologue
 join the first segment.
 
 The cuts depend only on the graph's ops, the same on every rank whose graph
-is the same.  The graph has no autograd of its own (it is the backward), so a
+is the same.  Each segment is compiled on its own, so the bucketing pass groups
+one block's gradient reductions, never two blocks' (as with per-block
+compilation, and as the forward split).  The graph has no autograd of its own (it is the backward), so a
 segment's inputs and outputs are plain values passed on in order; its
 in-place updates (gradient accumulation) run where they ran, in the same
 order.  Sizes compiled autograd made symbolic stay symbolic: two segments
