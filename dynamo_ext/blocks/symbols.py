@@ -26,7 +26,6 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-import sympy
 import torch
 
 from .. import _compat
@@ -42,10 +41,10 @@ def _sizes(value: Any) -> tuple[Any, ...]:
     return (value,) if isinstance(value, _SYMBOLIC) else ()
 
 
-def input_symbols(inputs: list[Any]) -> list[sympy.Symbol]:
+def input_symbols(inputs: list[Any]) -> list[Any]:
     """The size symbols of ``inputs`` (their sizes, strides, offsets, and symbolic scalars), in order of first
     appearance."""
-    seen: dict[sympy.Symbol, None] = {}
+    seen: dict[Any, None] = {}
     for x in inputs:
         for size in _sizes(x):
             if isinstance(size, _SYMBOLIC):
@@ -54,9 +53,9 @@ def input_symbols(inputs: list[Any]) -> list[sympy.Symbol]:
     return list(seen)
 
 
-def canonical_names(symbols: list[sympy.Symbol]) -> dict[sympy.Symbol, sympy.Symbol]:
-    """Each symbol renamed by its position: ``{s57: _b0, s12: _b1, ...}``."""
-    return {s: sympy.Symbol(f"_b{i}", integer=True) for i, s in enumerate(symbols)}
+def canonical_names(symbols: list[Any]) -> dict[Any, Any]:
+    """Each symbol renamed by its position: ``{s57: _b0, s12: _b1, ...}`` (sympy symbols of the same class)."""
+    return {s: type(s)(f"_b{i}", integer=True) for i, s in enumerate(symbols)}
 
 
 def size_key(size: Any, names: dict[Any, Any] | None = None) -> Any:
@@ -71,7 +70,7 @@ def size_key(size: Any, names: dict[Any, Any] | None = None) -> Any:
     return ("sym", str(expr.xreplace(names) if names else expr))
 
 
-def symbol_facts(inputs: list[Any], symbols: list[sympy.Symbol]) -> tuple[Any, ...]:
+def symbol_facts(inputs: list[Any], symbols: list[Any]) -> tuple[Any, ...]:
     """What the key needs of each symbol besides its position: its value range, and whether it was replaced."""
     facts = _facts(inputs)
     if facts is None:
@@ -88,7 +87,7 @@ def _facts(inputs: list[Any]) -> tuple[Any, list[Any], dict[Any, Any], dict[Any,
     return None
 
 
-def carry_guards(inputs: list[Any], compiled: list[sympy.Symbol], symbols: list[sympy.Symbol]) -> bool:
+def carry_guards(inputs: list[Any], compiled: list[Any], symbols: list[Any]) -> bool:
     """Whether a compile made for inputs with size symbols ``compiled`` may run for ``inputs`` (whose symbols
     are ``symbols``, in the same positions): every guard mentioning ``compiled`` holds with them renamed, and
     is then recorded as a guard of the frame (NOTE [blocks that differ only in their size symbols])."""
@@ -108,7 +107,7 @@ def carry_guards(inputs: list[Any], compiled: list[sympy.Symbol], symbols: list[
     return True
 
 
-def may_rename(inputs: list[Any], compiled: list[sympy.Symbol], symbols: list[sympy.Symbol]) -> bool:
+def may_rename(inputs: list[Any], compiled: list[Any], symbols: list[Any]) -> bool:
     """Whether a compile made for inputs with size symbols ``compiled`` may run for ``inputs``, whose key is the
     same with ``symbols`` instead: only in a compiled-autograd backward graph, and only where the guards on
     ``compiled`` hold renamed (:func:`carry_guards`)."""
