@@ -202,15 +202,15 @@ def boxed_codegen() -> Any:
     return None if cls is None else cls()
 
 
-def shape_env_facts(value: Any) -> tuple[Any, list[Any], dict[Any, Any], dict[Any, Any]] | None:
+def shape_env_facts(value: Any) -> tuple[Any, Iterator[Any], dict[Any, Any], dict[Any, Any]] | None:
     """``(shape_env, guard expressions, replacements, value ranges)`` of the ``ShapeEnv`` a SymInt, SymFloat or
-    SymBool belongs to (``ShapeEnv.guards``, ``.replacements``, ``.var_to_range``: 2.11 to 2.15); None for a
-    plain value."""
+    SymBool belongs to (``ShapeEnv.guards``, ``.replacements``, ``.var_to_range``: 2.11 to 2.15; the guards
+    read as they are iterated, not copied); None for a plain value."""
     node = getattr(value, "node", None)
     env = getattr(node, "shape_env", None)
     if env is None:
         return None
-    return env, [g.expr for g in env.guards], env.replacements, env.var_to_range
+    return env, (g.expr for g in env.guards), env.replacements, env.var_to_range
 
 
 def evaluate_guard(shape_env: Any, expr: Any) -> bool:

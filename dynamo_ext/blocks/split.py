@@ -140,9 +140,10 @@ def _sink_into_consumers(nodes: list[torch.fx.Node], partition: dict[torch.fx.No
 _VALUE_TYPES = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.memory_format, torch.layout)
 
 
-def _constant_key(value: Any) -> Any:
-    """A value of a node's arguments as a key: by value for plain data, placements and device meshes, by identity
-    otherwise (a function, a process group, a module: equal only when the same object)."""
+def _constant_key(value: Any, names: dict[Any, Any] | None = None) -> Any:
+    """A value of a node's arguments as a key: by value for plain data, placements and device meshes, a symbolic
+    one by its expression (its symbols renamed by ``names``), by identity otherwise (a function, a process
+    group, a module: equal only when the same object)."""
     if isinstance(value, torch.fx.Node):
         raise AssertionError("nodes are keyed by position")
     if isinstance(value, _VALUE_TYPES):
@@ -156,8 +157,8 @@ def _constant_key(value: Any) -> Any:
     if isinstance(value, torch._ops.OpOverload | torch._ops.OpOverloadPacket | torch._ops.HigherOrderOperator):
         return ("op", str(value))
     if isinstance(value, torch.SymInt | torch.SymFloat | torch.SymBool):
-        key = size_key(value)
-        return ("symbolic", id(value)) if key is None else key
+        key = size_key(value, names)
+        return ("symbolic", id(value)) if key is None else key  # an unbacked value: equal only to itself
     if _compat.is_placement(value):
         return ("placement", repr(value))
     if _compat.is_device_mesh(value):
@@ -180,21 +181,19 @@ def _function_key(fn: Any) -> Any:
 
 
 def _tensor_key(value: Any, names: dict[Any, Any] | None = None) -> Any:
-    if isinstance(value, torch.SymInt | torch.SymFloat | torch.SymBool):
-        key = size_key(value, names)
-        return ("symbolic", id(value)) if key is None else key
     if not isinstance(value, torch.Tensor):
-        return _constant_key(value)
-    if not static_layout(value):
-        layout = tuple(size_key(s) for s in (*value.shape, *value.stride(), value.storage_offset()))
-        if None in layout:
-            return ("symbolic", id(value))  # an unbacked size: this input is its own, the submodule compiled alone
+        return _constant_key(value, names)
+    shape = tuple(size_key(s, names) for s in value.shape)
+    stride = tuple(size_key(s, names) for s in value.stride())
+    offset = size_key(value.storage_offset(), names)
+    if None in (*shape, *stride, offset):
+        return ("symbolic", id(value))  # an unbacked size: this input is its own, the submodule compiled alone
     spec = _compat.dtensor_spec_key(value)
     return (
         type(value).__qualname__,
-        tuple(size_key(s, names) for s in value.shape),
-        tuple(size_key(s, names) for s in value.stride()),
-        size_key(value.storage_offset(), names) if spec is None else None,
+        shape,
+        stride,
+        offset if spec is None else None,
         value.dtype,
         value.device,
         value.requires_grad and torch.is_grad_enabled(),  # AOTAutograd differentiates only under grad mode
@@ -326,19 +325,20 @@ def compile_blocks(
                     sub = split.get_submodule(str(n.target))
                     assert isinstance(sub, torch.fx.GraphModule)  # split_module makes each a GraphModule
                     args = [env[a] for a in n.args]
-                    key = structural_key(sub, args)
+                    key = structural_key(sub, args) if config.reuse_block_compiles else None
                     single = _returns_tuple(sub)
                     with _compat.allowing_non_fake_inputs(fake_mode):
                         out = sub(*args)
                     env[n] = out[0] if single else out
-                    hit = compiled.get(key) if config.reuse_block_compiles else None
+                    hit = None if key is None else compiled.get(key)
                     symbols = input_symbols(args)
                     if hit is not None and hit.symbols != symbols and not may_rename(args, hit.symbols, symbols):
                         hit = None
                     if hit is None:
                         with _compat.own_tracing_context():
                             hit = _Compiled(compile_one(sub, args), single, symbols)
-                        compiled.setdefault(key, hit)
+                        if key is not None:
+                            compiled.setdefault(key, hit)
                         compiles += 1
                     else:
                         reused += 1

@@ -98,7 +98,7 @@ def carry_guards(inputs: list[Any], compiled: list[Any], symbols: list[Any]) -> 
     if any(s in replacements for s in (*compiled, *symbols)):
         return False
     renamed = dict(zip(compiled, symbols, strict=True))
-    for guard in guards:
+    for guard in list(guards):  # a copy: each guard evaluated below is added to the shape environment's
         if guard.free_symbols & renamed.keys():
             moved = guard.xreplace(renamed)
             if not _compat.evaluate_guard(shape_env, moved):
