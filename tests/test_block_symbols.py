@@ -48,4 +48,6 @@ def test_guards_on_the_compiled_symbols_must_hold_renamed_and_are_recorded():
     before = len(env.guards)
     assert carry_guards([b], [sa], [sb])  # 24 % 8 == 0: the guard holds for b's symbol, and now guards it
     assert any(g.expr.free_symbols == {sb} for g in env.guards[before:])
+    before = len(env.guards)
     assert not carry_guards([c], [sa], [sc])  # 20 % 8 != 0: c gets a compile of its own
+    assert len(env.guards) == before  # and the frame no guard on c's symbol: all checked before any is recorded

@@ -213,6 +213,17 @@ def shape_env_facts(value: Any) -> tuple[Any, Iterator[Any], dict[Any, Any], dic
     return env, (g.expr for g in env.guards), env.replacements, env.var_to_range
 
 
+def holds_at_hints(shape_env: Any, expr: Any) -> bool:
+    """Whether a sympy condition on sizes holds at the current sizes, recording nothing: its symbols replaced by
+    their values (``ShapeEnv.backed_var_to_val``, 2.13 to 2.15; ``.var_to_val`` before).  False when a symbol
+    has no value (an unbacked size)."""
+    values = getattr(shape_env, "backed_var_to_val", None)
+    if values is None:
+        values = shape_env.var_to_val
+    result = expr.xreplace(values)
+    return bool(result) if not result.free_symbols else False
+
+
 def evaluate_guard(shape_env: Any, expr: Any) -> bool:
     """Evaluate a sympy condition on sizes at the current sizes, recording it as a guard of the frame being
     compiled (``ShapeEnv.evaluate_expr``)."""

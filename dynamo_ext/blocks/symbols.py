@@ -98,13 +98,13 @@ def carry_guards(inputs: list[Any], compiled: list[Any], symbols: list[Any]) -> 
     if any(s in replacements for s in (*compiled, *symbols)):
         return False
     renamed = dict(zip(compiled, symbols, strict=True))
-    for guard in list(guards):  # a copy: each guard evaluated below is added to the shape environment's
-        if guard.free_symbols & renamed.keys():
-            moved = guard.xreplace(renamed)
-            if not _compat.evaluate_guard(shape_env, moved):
-                log.info("blocks compiled once: %s does not hold for a block's own size symbols; compiled", moved)
-                return False
-    return True
+    moved = [g.xreplace(renamed) for g in guards if g.free_symbols & renamed.keys()]
+    # All checked before any is recorded: a block that gets its own compile adds no guard to the frame.
+    for guard in moved:
+        if not _compat.holds_at_hints(shape_env, guard):
+            log.info("blocks compiled once: %s does not hold for a block's own size symbols; compiled", guard)
+            return False
+    return all(_compat.evaluate_guard(shape_env, guard) for guard in moved)
 
 
 def may_rename(inputs: list[Any], compiled: list[Any], symbols: list[Any]) -> bool:
