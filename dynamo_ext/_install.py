@@ -67,6 +67,7 @@ def _install() -> None:
     )
     from .blocks import reuse as block_reuse
     from .blocks import split as block_split
+    from .blocks import trace_once as block_trace_once
     from .spmd import ddp_overlap
 
     with _compat.compile_lock():  # NOTE [install under threads]
@@ -82,6 +83,7 @@ def _install() -> None:
             ddp_overlap.install(PATCHES)  # NOTE [split for overlap under DDP]
             block_reuse.install(PATCHES)  # NOTE [block reuse]
             block_split.install(PATCHES)  # NOTE [blocks compiled once]
+            block_trace_once.install(PATCHES)  # NOTE [blocks traced once]
         except BaseException:
             PATCHES.undo_all()
             raise

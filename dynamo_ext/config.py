@@ -70,6 +70,12 @@ identical block (NOTE [blocks compiled once]).  One Dynamo graph, one set of gua
 pay for one block whatever the depth.  Applies to ``inductor`` and the AOTAutograd backends (``aot_eager``, ...);
 ``False`` (or ``DYNAMO_EXT_COMPILE_BLOCKS_ONCE=0``) hands them the graph whole."""
 
+trace_blocks_once: bool = _Config(default=True, env_name_default="DYNAMO_EXT_TRACE_BLOCKS_ONCE")
+"""Dynamo traces the first of a container's identical blocks (``layers[0]``) and stamps the nodes and guards of
+that trace out for each identical block after it, in place of tracing it (NOTE [blocks traced once]): the graph and
+guards are those tracing gives, and a block that differs in any guarded way is traced.  ``False`` (or
+``DYNAMO_EXT_TRACE_BLOCKS_ONCE=0``) traces every block."""
+
 reuse_block_compiles: bool = True
 """With ``compile_blocks_once``: a block identical to one already compiled runs that compile.  ``False`` cuts
 the graph at the same places and compiles every block, so each logs its own graphs on the structured trace:

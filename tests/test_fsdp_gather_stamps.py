@@ -16,6 +16,7 @@ from fsdp_training import batch, build
 from torch._functorch.aot_autograd import aot_module_simplified
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 
+import dynamo_ext
 from dynamo_ext.variables.fsdp import gather_stamps
 
 
@@ -54,7 +55,8 @@ def _modules(node: torch.fx.Node) -> list[str]:
 def _step(model: torch.nn.Module, inputs: Any, *, stamped: bool, monkeypatch: pytest.MonkeyPatch) -> _AotCodes:
     torch._dynamo.reset()
     backend = _AotCodes()
-    with monkeypatch.context() as m:
+    # Whole blocks stamped (NOTE [blocks traced once]) would leave no gather of theirs to stamp.
+    with monkeypatch.context() as m, dynamo_ext.config.patch(trace_blocks_once=False):
         if not stamped:
             m.setattr(gather_stamps, "signature", lambda *args: None)
         stamp = gather_stamps._stamp

@@ -14,17 +14,17 @@ module is imported on first use.
 
 - :mod:`.probes`: ``optional_attr``, the generic attribute probe.
 - :mod:`.dynamo`: trackers, builders, sources, guards, frames, the compile lock.
+- :mod:`.frame_state`: the traced frame's state read and added to directly (side effects, inputs, guards).
 - :mod:`.compiled_autograd`: compiled autograd and the autograd engine.
 - :mod:`.aot`: AOTAutograd (partitioner, cache, input fakification, checkpointing).
 - :mod:`.aot_cache`: AOTAutograd's cache entries: lookup, backward loading, custom autograd functions.
 - :mod:`.tracing`: fake tensors, symbolic shapes, dispatch modes, op metadata.
 - :mod:`.inductor`: Inductor config, lowerings, IR, post-grad passes, comm cost model.
 - :mod:`.structured_logs`: what a log handler can read of the graph or break being logged.
-- :mod:`.distributed`: c10d (functional collectives, process groups, store).
+- :mod:`.distributed`: c10d (functional collectives, process groups, store), DDP and DDPOptimizer.
 - :mod:`.symm_mem`: symmetric memory.
 - :mod:`.dtensor`: DeviceMesh and DTensor internals.
 - :mod:`.fsdp`: FSDP2 internals.
-- :mod:`.ddp`: DistributedDataParallel and Dynamo's DDPOptimizer.
 - :mod:`.config_module`: torch config modules.
 """
 
@@ -73,16 +73,12 @@ from .config_module import (
     config_module,
     install_checked_config_module,
 )
-from .ddp import (
+from .distributed import (
     allowing_non_fake_inputs,
+    async_collective_tensor_type,
     backend_swapped,
     ddp_first_bucket_bytes,
     ddp_submod_compiler,
-    reset_submod_compiler_state,
-    saved_tensors_hooks_off_during_tracing,
-)
-from .distributed import (
-    async_collective_tensor_type,
     default_store,
     distributed_initialized,
     global_rank,
@@ -94,7 +90,9 @@ from .distributed import (
     object_collective_device,
     prefix_store,
     process_group_info,
+    reset_submod_compiler_state,
     resolve_process_group,
+    saved_tensors_hooks_off_during_tracing,
     tcp_store,
 )
 from .dtensor import (
@@ -151,6 +149,37 @@ from .dynamo import (
     user_function_variable,
     wrap_fx_proxy,
     wrap_inline,
+)
+from .frame_state import (
+    Source,
+    add_mutated_sources,
+    block_trace_supported,
+    build_variable,
+    container_item_base,
+    duplicate_log,
+    frame_registrations,
+    global_trace_state,
+    hashable_key,
+    install_duplicate_log,
+    install_guard_quietly,
+    install_module_call_hook,
+    install_mutation_log,
+    is_class_dict_source,
+    is_constant_variable,
+    is_module_source_wrapper,
+    is_new_object,
+    is_sequence_variable,
+    is_type_source,
+    make_dupe_guard,
+    mutated_sources,
+    mutation_log,
+    pending_attrs,
+    rename_node,
+    renamed_guard,
+    set_tensor_name_set,
+    source_value,
+    tensor_name_is_set,
+    tensor_variable_class,
 )
 from .fsdp import (
     fsdp_ddp_mesh_info,
@@ -231,11 +260,13 @@ __all__ = [
     "GetAttrVariable",
     "GlobalSource",
     "GuardBuilder",
+    "Source",
     "SourcelessBuilder",
     "TupleVariable",
     "Unsupported",
     "VariableBuilder",
     "VariableTracker",
+    "add_mutated_sources",
     "allowing_non_fake_inputs",
     "aot_autograd_backend_class",
     "aot_autograd_cache_off",
@@ -248,7 +279,9 @@ __all__ = [
     "aten_op",
     "backend_swapped",
     "backward_hook_variable_class",
+    "block_trace_supported",
     "boxed_codegen",
+    "build_variable",
     "cache_custom_autograd_functions",
     "cache_key_pickler_class",
     "checkpoint_tags_nested_ops",
@@ -265,6 +298,7 @@ __all__ = [
     "compiling_compiled_autograd_graph",
     "config_defaults",
     "config_module",
+    "container_item_base",
     "current_compile_id",
     "current_tx",
     "custom_autograd_function_switch_on",
@@ -282,6 +316,7 @@ __all__ = [
     "dtensor_spec_shard_order",
     "dtensor_strided_shard_shape_materializes_offsets",
     "dtensor_to_local_codes",
+    "duplicate_log",
     "dynamo_convert_frame",
     "dynamo_counters",
     "emit_structured_artifact",
@@ -309,6 +344,7 @@ __all__ = [
     "get_fake_value",
     "global_rank",
     "global_state_source",
+    "global_trace_state",
     "graph_break_being_logged",
     "graph_module_being_logged",
     "graph_region_tracker_class",
@@ -322,6 +358,7 @@ __all__ = [
     "has_functional_op",
     "has_triton",
     "hash_for_files",
+    "hashable_key",
     "holds_at_hints",
     "implicit_replication",
     "in_autograd_backward",
@@ -329,14 +366,25 @@ __all__ = [
     "inductor_config",
     "inside_higher_order_op",
     "install_checked_config_module",
+    "install_duplicate_log",
     "install_guard",
+    "install_guard_quietly",
+    "install_module_call_hook",
+    "install_mutation_log",
     "invoke_subgraph_op",
     "ir_module",
     "is_aot_backward_prologue",
     "is_autograd_function_apply",
     "is_compiling_context",
+    "is_constant_variable",
+    "make_dupe_guard",
+    "is_class_dict_source",
+    "is_type_source",
+    "is_module_source_wrapper",
     "is_device_mesh",
     "is_higher_order_op",
+    "is_new_object",
+    "is_sequence_variable",
     "is_opaque_fx_node",
     "is_placement",
     "is_symm_mem_enabled_for_group",
@@ -350,6 +398,8 @@ __all__ = [
     "make_lowering",
     "mesh_group_names",
     "mesh_state_for_cache_key",
+    "mutated_sources",
+    "mutation_log",
     "no_duck_shapes",
     "no_tracing_context",
     "object_collective_device",
@@ -359,10 +409,13 @@ __all__ = [
     "output_graph_class",
     "own_tracing_context",
     "partitioners_module",
+    "pending_attrs",
     "prefix_store",
     "process_group_info",
     "raise_observed_exception",
     "records_dir",
+    "rename_node",
+    "renamed_guard",
     "reparametrize_module",
     "reset_submod_compiler_state",
     "resolve_process_group",
@@ -370,9 +423,11 @@ __all__ = [
     "root_mesh",
     "saved_tensors_hooks_off_during_tracing",
     "serializable_compiler",
+    "set_tensor_name_set",
     "shape_env_facts",
     "skip_frames_of",
     "source_name",
+    "source_value",
     "strided_shard_type",
     "symbolic_fake_mode",
     "symm_mem_module",
@@ -381,7 +436,10 @@ __all__ = [
     "symm_mem_state_key",
     "symm_mem_test_mode",
     "tcp_store",
+    "frame_registrations",
     "tensor_hooks",
+    "tensor_name_is_set",
+    "tensor_variable_class",
     "to_fake",
     "torch_dispatch_mode_base",
     "tracing_context",

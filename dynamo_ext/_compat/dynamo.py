@@ -66,9 +66,10 @@ def user_function_variable(fn: Any, **kwargs: Any) -> Any:
     return _variables.UserFunctionVariable(fn, **kwargs)
 
 
-def wrap_fx_proxy(tx: Any, proxy: Any) -> Any:
-    """A tracker for the result of a graph node (``torch._dynamo.variables.builder.wrap_fx_proxy``)."""
-    return _builder.wrap_fx_proxy(tx, proxy)
+def wrap_fx_proxy(tx: Any, proxy: Any, example_value: Any = None) -> Any:
+    """A tracker for the result of a graph node (``torch._dynamo.variables.builder.wrap_fx_proxy``); its fake
+    value computed from the node's inputs unless ``example_value`` is given."""
+    return _builder.wrap_fx_proxy(tx, proxy, example_value=example_value)
 
 
 def get_fake_value(node: Any, tx: Any) -> Any:

@@ -24,6 +24,7 @@ later, adding guards after the reuse was decided.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -79,7 +80,7 @@ def symbol_facts(inputs: list[Any], symbols: list[Any]) -> tuple[Any, ...]:
     return tuple((str(ranges.get(s)), s in replacements) for s in symbols)
 
 
-def _facts(inputs: list[Any]) -> tuple[Any, list[Any], dict[Any, Any], dict[Any, Any]] | None:
+def _facts(inputs: list[Any]) -> tuple[Any, Iterable[Any], dict[Any, Any], dict[Any, Any]] | None:
     for x in inputs:
         for size in _sizes(x):
             if isinstance(size, _SYMBOLIC):

@@ -65,12 +65,17 @@ class GuardSpec:
         identity_fast_path: pass at once when the value is the very object
             traced with; off for objects whose guarded settings can change in
             place (an FSDP2 state).
+        on_source: ``(source, value) -> None``, called when a stamped block's
+            guard of this kind is installed for a source no trace reached
+            (NOTE [a block's guards carried over]), for bookkeeping a trace of
+            the object would do.
     """
 
     kind: str
     extract: Callable[[Any], Any]
     describe: Callable[[Any, Any], str | None]
     identity_fast_path: bool = True
+    on_source: Callable[[Any, Any], None] | None = None
 
 
 def marker(key: str) -> str:
@@ -121,6 +126,7 @@ def _guard_fn(spec: GuardSpec) -> Callable[[Any, Any], None]:
         _compat.lambda_guard(builder, guard, check, marker(key))
 
     create.__name__ = f"DYNAMO_EXT_{spec.kind.upper().replace(' ', '_')}_MATCH"
+    create.guard_spec = spec  # type: ignore[attr-defined]  # read when a block's guards are carried over
     return create
 
 

@@ -290,7 +290,9 @@ def describe_config(old: tuple[Any, ...], new: tuple[Any, ...]) -> str | None:
 
 
 # Mutable settings: no identity fast path (the state object stays, its settings change).
-CONFIG_GUARD = GuardSpec("FSDP2 settings", config_record, describe_config, identity_fast_path=False)
+CONFIG_GUARD = GuardSpec(
+    "FSDP2 settings", config_record, describe_config, identity_fast_path=False, on_source=sources.remember_state
+)
 
 
 def check_state(tx: Any, args: list[Any], kwargs: dict[str, Any]) -> None:

@@ -1,0 +1,120 @@
+"""Identical blocks traced once by Dynamo: the first block's call recorded, the others stamped from it.
+
+NOTE [blocks traced once]
+Dynamo interprets every block of a model's ``nn.ModuleList``: at 32 layers
+that is most of the plugin's compile time once AOTAutograd and Inductor pay
+for one block (NOTE [blocks compiled once] in ``split.py``).  A call of item
+``i`` of a module container (``layers[i](h)``) whose block is identical to
+an item already traced in this frame adds, in place of a trace, copies of
+the nodes that item's call added, with block ``i``'s parameters as inputs:
+
+- **Recording.**  The first call of a (block class, argument metadata,
+  call site, grad mode) in a frame's root graph is traced as usual and
+  recorded: the nodes it added, the graph inputs it lifted (by source), its
+  result, the guards of its trace on the block's sources, and its effects.
+  A recording is kept only when the call is self-contained: its nodes read
+  only its arguments and graph inputs, its result is a tensor it made, and
+  every object outside it that it mutated (FSDP2 swaps each module's
+  ``_parameters`` for the gathered tensor and back) holds its own value
+  again when it returns, so the call leaves no state a later call could
+  read (:func:`_restored`).
+- **Stamping.**  A later call is checked before anything is added: block
+  ``i``'s modules and hook counts match (:func:`.trace_guards.hook_key_map`),
+  every guard of the recording holds renamed to block ``i`` (NOTE [a block's
+  guards carried over]), nothing block ``i`` owns has a pending mutation,
+  and nothing outside the blocks changed since the recording.  Then block
+  ``i``'s graph inputs are lifted through Dynamo's own ``VariableBuilder``
+  (their guards and fake tensors made as tracing makes them), the recorded
+  nodes are copied with their module stacks moved to block ``i`` and fresh
+  fake values, the renamed guards are installed, and the call returns a
+  tracker of the copied result.  The graph, its module stacks and stack
+  traces are those a trace gives (``tests/test_block_trace_once.py``
+  compares them, and AOTAutograd's graphs, with tracing every block).
+- **StampError** (logged at DEBUG, the block traced): anything else, among it
+  a block that differs in any guarded way (another shape, dtype, placement,
+  hook, attribute, mixed-precision policy), a call inside a higher-order op
+  or from another line, symbolic shapes, a call that mutates state it does
+  not restore, registers tensor hooks, or changes global state.
+
+Which blocks are stamped depends only on what the ranks' traces agree on
+(the same checks on the same model), and a stamped block's graph is the
+graph tracing gives, so the collectives, the block split, the bucketing pass
+and the collective check see what they see without stamping.
+Switch: ``dynamo_ext.config.trace_blocks_once`` (``DYNAMO_EXT_TRACE_BLOCKS_ONCE=0``).
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+
+from .. import _compat, config
+from .._patching import Patcher
+from .trace_guards import StampError
+from .trace_record import Recording, call_key, log, record, site
+from .trace_stamp import stamp
+
+# Per frame trace: keyed by the root graph Dynamo is building.  A key's value is None once refused.
+_recordings: weakref.WeakKeyDictionary[torch.fx.Graph, dict[tuple[Any, ...], Recording | None]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _container_item(tx: Any, module_vt: Any) -> tuple[Any, Any] | None:
+    """(the block's source, its container) when ``module_vt`` is an item of a module container."""
+    source = getattr(module_vt, "source", None)
+    if source is None:
+        return None
+    base = _compat.container_item_base(source)
+    if base is None:
+        return None
+    try:
+        container = _compat.source_value(tx, base)
+    except Exception:
+        return None
+    if not isinstance(container, (torch.nn.ModuleList, torch.nn.ModuleDict, torch.nn.Sequential)):
+        return None
+    return source, container
+
+
+def call(tx: Any, module_vt: Any, args: list[Any], kwargs: dict[str, Any], trace: Any) -> Any:
+    """``module_vt(*args, **kwargs)``: stamped from a recording of an identical block, or ``trace()``d.
+
+    ``trace`` runs Dynamo's own inlining of the call; NOTE [blocks traced once].
+    """
+    found = _container_item(tx, module_vt) if config.trace_blocks_once else None
+    if found is None or _compat.inside_higher_order_op(tx):
+        return trace()
+    source, _container = found
+    module = module_vt.value
+    try:
+        # The call reads its arguments anyway: realizing them here adds no guard the trace would not.
+        arguments, leaves = call_key([a.realize() for a in args], {k: v.realize() for k, v in kwargs.items()})
+        key = (type(module), arguments, site(tx))
+    except StampError as why:
+        log.debug("%s traced: %s", _compat.source_name(source), why)
+        return trace()
+    output = tx.output
+    recordings = _recordings.setdefault(output.root_tracer.graph, {})
+    recording = recordings.get(key)
+    if recording is not None:
+        try:
+            return stamp(tx, recording, module_vt, source, leaves)
+        except StampError as why:
+            log.debug("%s traced, not stamped from %s: %s", _compat.source_name(source), recording.path, why)
+            return trace()
+    if key in recordings:
+        return trace()
+    return record(tx, module_vt, source, leaves, trace, recordings, key)
+
+
+def install(patches: Patcher) -> None:
+    """Route calls of module-container items through :func:`call` (NOTE [blocks traced once])."""
+    if not _compat.block_trace_supported():
+        log.info("blocks traced once: not on this torch release (a Dynamo API it needs is missing)")
+        return
+    _compat.install_module_call_hook(patches, call)
+    _compat.install_mutation_log(patches)
+    _compat.install_duplicate_log(patches)

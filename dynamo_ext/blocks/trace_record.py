@@ -1,0 +1,262 @@
+"""The first call of a block recorded for the identical blocks after it (NOTE [blocks traced once] in
+``trace_once.py``): what a call adds to the frame, and the checks that it leaves nothing else behind."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import re
+import weakref
+from typing import Any
+
+import torch
+import torch.fx
+
+from .. import _compat
+from . import trace_guards
+from .trace_guards import StampError
+
+log = logging.getLogger("dynamo_ext.blocks.trace_once")
+
+# Dynamo's module paths in ``nn_module_stack`` drop ``._modules['x']`` spellings (``record_nn_module_stack``).
+REDUNDANT = re.compile(r"\._(?:modules|parameters|buffers)\[(['\"])([^'\"\]]+)\1\]")
+
+
+@dataclasses.dataclass
+class Recording:
+    """What one traced block call added to the frame (NOTE [blocks traced once])."""
+
+    source: Any
+    module_ref: weakref.ReferenceType[torch.nn.Module]
+    path: str
+    site: tuple[Any, ...]
+    args: tuple[torch.fx.Node | None, ...]
+    inputs: tuple[tuple[torch.fx.Node, Any, Any], ...]  # (placeholder, source, fake-value metadata), graph order
+    nodes: tuple[torch.fx.Node, ...]
+    result: torch.fx.Node
+    plans: list[trace_guards.GuardPlan]
+    dupes: tuple[tuple[Any, Any], ...]  # (source in the block, source of the object it turned out to be)
+    tracked: tuple[Any, ...]  # the block's sources of objects its trace tracked, or met tracked already
+    external: frozenset[torch.fx.Node]  # graph inputs from before the call that its nodes read
+    named: bool  # the result's node was named after a local variable inside the call
+    key_order: tuple[Any, ...]
+    mutated: tuple[Any, ...]
+    calls: dict[str, int]
+    effects_end: int
+
+
+def call_key(args: list[Any], kwargs: dict[str, Any]) -> tuple[Any, list[Any]]:
+    """What the trace of a block call depends on in its arguments, and the arguments' leaves (tensors and
+    constants, tuples and lists of them flattened; keyword arguments by name); raises :class:`StampError`."""
+    leaves: list[Any] = []
+
+    def key(vt: Any) -> Any:
+        if _compat.is_sequence_variable(vt):
+            return ("sequence", vt.python_type(), tuple(key(v.realize()) for v in vt.items))
+        leaves.append(vt)
+        return arg_key(vt)
+
+    positional = tuple(key(a) for a in args)
+    named = tuple((name, key(kwargs[name].realize())) for name in sorted(kwargs))
+    return (positional, named), leaves
+
+
+def arg_key(vt: Any) -> Any:
+    """What the trace of a block call depends on in one argument; raises :class:`StampError`."""
+    if _compat.is_constant_variable(vt):
+        value = vt.as_python_constant()
+        try:
+            hash(value)
+        except TypeError:
+            raise StampError("an argument is an unhashable constant") from None
+        return ("constant", type(value), value)
+    node = node_of(vt)
+    value = node.meta.get("example_value") if node is not None else None
+    if type(vt) is not _compat.tensor_variable_class() or not isinstance(value, torch.Tensor):
+        raise StampError(f"an argument is a {type(vt).__name__}")
+    return ("tensor", *value_meta(value))
+
+
+def value_meta(value: Any) -> tuple[Any, ...]:
+    if isinstance(value, torch.Tensor):
+        inner = getattr(value, "_local_tensor", None)
+        spec = getattr(value, "_spec", None)
+        shape, stride = tuple(value.shape), tuple(value.stride())
+        if not all(type(d) is int for d in (*shape, *stride, value.storage_offset())):
+            raise StampError("a tensor has symbolic sizes")
+        own = (type(value), shape, stride, value.storage_offset(), value.dtype, value.device, value.requires_grad)
+        return (*own, value._is_view(), None if spec is None else spec, None if inner is None else value_meta(inner))
+    return (type(value), getattr(value, "real_obj", None) is not None)
+
+
+def node_of(vt: Any) -> torch.fx.Node | None:
+    try:
+        return vt.as_proxy().node
+    except (AttributeError, NotImplementedError):
+        return None
+
+
+def site(tx: Any) -> tuple[Any, ...]:
+    """The call site as the nodes' stack traces begin with it, and the module stack around the call."""
+    frames = []
+    t = tx
+    while t is not None:
+        frames.append((t.f_code, t.lineno))
+        t = getattr(t, "parent", None)
+    return (tuple(frames), tuple(tx.nn_module_stack.items()), _compat.global_trace_state(tx))
+
+
+def record(tx: Any, module_vt: Any, source: Any, args: list[Any], trace: Any, recordings: dict, key: Any) -> Any:
+    output = tx.output
+    graph = output.root_tracer.graph
+    before = set(graph.nodes)
+    guards_before = set(output.guards)
+    effects = _compat.mutation_log(output.side_effects)
+    effects_start = len(effects)
+    key_order_before = set(output.guard_on_key_order)
+    mutated_before = set(_compat.mutated_sources(output.side_effects))
+    calls_before = dict(tx.num_calls)
+    hooks_before = _compat.frame_registrations(output)
+    name = _compat.source_name(source)
+    path = REDUNDANT.sub(r".\2", _compat.source_name(module_vt.get_nn_module_stack_source()))
+    tracked_before = set(output.side_effects.id_to_variable)
+    with _compat.duplicate_log() as dupes:
+        result = trace()
+    recordings[key] = None
+    try:
+        if _compat.inside_higher_order_op(tx) or output.root_tracer.graph is not graph:
+            raise StampError("the call changed the tracer")
+        new = [n for n in graph.nodes if n not in before]
+        inputs = tuple(
+            (n, n.meta["grapharg"].source, value_meta(n.meta.get("example_value")))
+            for n in new
+            if n.op == "placeholder"
+        )
+        if any(s is None for _, s, _ in inputs):
+            raise StampError("it lifted a graph input without a source")
+        nodes = tuple(n for n in new if n.op != "placeholder")
+        result_node = node_of(result)
+        if type(result) is not _compat.tensor_variable_class() or result_node is None or result_node not in set(nodes):
+            raise StampError(f"its result is a {type(result).__name__}, not a tensor it made")
+        arg_nodes = tuple(node_of(a) for a in args)
+        allowed = set(new) | {n for n in arg_nodes if n is not None}
+        external = set()  # graph inputs lifted before the call (the root's, or an object met again): shared
+        for n in nodes:
+            if n.op not in ("call_function", "call_method", "get_attr"):
+                raise StampError(f"it added a {n.op} node")
+            for a in n.all_input_nodes:
+                if a not in allowed:
+                    if a.op != "placeholder":
+                        raise StampError(f"node {n.name} reads {a.name}, made before the call")
+                    external.add(a)
+            if any(k in n.meta for k in ("unbacked_bindings",)):
+                raise StampError("it made data-dependent sizes")
+        if any(calls_before.get(k, 0) for k in tx.num_calls if tx.num_calls[k] != calls_before.get(k, 0)):
+            raise StampError("a module of the block was called before")
+        if _compat.frame_registrations(output) != hooks_before:
+            raise StampError("it registered tensor hooks, backward state or Python random calls")
+        if _compat.global_trace_state(tx) != key[2][2]:
+            raise StampError("it changed global state (grad mode, autocast, torch function modes)")
+        check_effects(tx, effects[effects_start:])
+        if any(trace_guards.mentions(source_name_of(v), name) for v in effects[:effects_start]):
+            raise StampError("the block had pending mutations when it was called")
+        resolve = resolver(tx)
+        dupes = [(a, b) for a, b in dupes if trace_guards.mentions(_compat.source_name(a), name)]
+        tracked = [a for a, _ in dupes] + [
+            vt.source
+            for k, vt in output.side_effects.id_to_variable.items()
+            if k not in tracked_before
+            and getattr(vt, "source", None) is not None
+            and trace_guards.mentions(_compat.source_name(vt.source), name)
+        ]
+        rooted_before = [
+            g
+            for g in guards_before
+            if g.originating_source is not None
+            and trace_guards.mentions(_compat.source_name(g.originating_source), name)
+        ]
+        guards = [g for g in output.guards if g not in guards_before] + rooted_before
+        plans = trace_guards.plan(guards, trace_guards.block_sources(source), name, resolve)
+    except StampError as why:
+        log.debug("%s traced and not recorded: %s", name, why)
+        return result
+    recordings[key] = Recording(
+        source=source,
+        module_ref=weakref.ref(module_vt.value),
+        path=path,
+        site=key[2],
+        args=arg_nodes,
+        inputs=inputs,
+        nodes=nodes,
+        result=result_node,
+        plans=plans,
+        dupes=tuple(dupes),
+        tracked=tuple(tracked),
+        external=frozenset(external),
+        named=_compat.tensor_name_is_set(result),
+        key_order=tuple(s for s in set(output.guard_on_key_order) - key_order_before),
+        mutated=tuple(s for s in set(_compat.mutated_sources(output.side_effects)) - mutated_before),
+        calls={k: v - calls_before.get(k, 0) for k, v in tx.num_calls.items() if v != calls_before.get(k, 0)},
+        effects_end=len(effects),
+    )
+    log.debug("%s traced and recorded for the identical blocks called after it (%d nodes)", name, len(nodes))
+    return result
+
+
+def source_name_of(vt: Any) -> str:
+    source = getattr(vt, "source", None)
+    return "" if source is None else _compat.source_name(source)
+
+
+def resolver(tx: Any) -> Any:
+    cache: dict[Any, Any] = {}
+    return lambda source: _compat.source_value(tx, source, cache)
+
+
+def check_effects(tx: Any, mutated: list[Any]) -> None:
+    """Refuse a call that leaves a mutation on an object that existed before it (NOTE [blocks traced once])."""
+    resolve = resolver(tx)
+    for vt in {id(v): v for v in mutated}.values():
+        if getattr(vt, "source", None) is None:
+            if _compat.is_new_object(vt):
+                continue
+            raise StampError(f"it mutated a {type(vt).__name__} without a source")
+        if not _restored(tx, vt, resolve):
+            raise StampError(f"it leaves {_compat.source_name(vt.source)} mutated")
+
+
+def _same_object(tx: Any, vt: Any, live: Any, resolve: Any) -> bool:
+    if _compat.is_constant_variable(vt):
+        value = vt.as_python_constant()
+        return type(value) is type(live) and value == live
+    source = getattr(vt, "source", None)
+    if source is None:
+        return False
+    try:
+        return resolve(source) is live
+    except Exception:
+        return False
+
+
+def _restored(tx: Any, vt: Any, resolve: Any) -> bool:
+    """Whether every pending mutation of ``vt`` writes back the value its object holds now."""
+    try:
+        obj = resolve(vt.source)
+    except Exception:
+        return False
+    attrs = _compat.pending_attrs(tx.output.side_effects, vt)
+    for attr, value in attrs.items():
+        if not _same_object(tx, value, getattr(obj, attr, _MISSING), resolve):
+            return False
+    items = getattr(vt, "items", None)
+    if isinstance(items, dict) and isinstance(obj, dict):
+        keys = [_compat.hashable_key(k) for k in items]
+        if keys != list(obj):
+            return False
+        return all(_same_object(tx, v, obj[k], resolve) for k, v in zip(keys, items.values()))
+    if isinstance(items, list) and isinstance(obj, list):
+        return len(items) == len(obj) and all(_same_object(tx, v, o, resolve) for v, o in zip(items, obj))
+    return bool(attrs) or items is None
+
+
+_MISSING = object()

@@ -1,0 +1,298 @@
+"""Identical blocks traced once by Dynamo and stamped (NOTE [blocks traced once]), in one process.
+
+A stamped block must leave what tracing it leaves: the same Dynamo graph (node names aside), the same
+AOTAutograd forward and backward graphs with the same module stacks and stack traces, and guards that
+recompile on what a traced block's guards recompile on.  Numerics against eager FSDP2 and FSDP over TP on gloo
+ranks: ``test_block_split_gloo.py`` and ``test_fsdp_training_gloo.py`` (on by default; they assert blocks were
+stamped).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from typing import Any
+
+import pytest
+import torch
+from fsdp_training import batch, build
+from torch import nn
+from torch._functorch.aot_autograd import aot_module_simplified
+from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+import dynamo_ext
+from dynamo_ext.blocks import trace_guards, trace_once
+
+
+class _Graphs:
+    """A backend keeping Dynamo's graphs and AOTAutograd's forward and backward graphs (min-cut partitioned,
+    as ``aot_eager`` and ``inductor`` partition), with each AOT node's module paths and stack trace."""
+
+    def __init__(self) -> None:
+        self.dynamo: list[torch.fx.GraphModule] = []
+        self.aot: list[str] = []
+        self.contexts: list[list[tuple[str, list[str], str | None]]] = []
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
+        self.dynamo.append(gm)
+
+        def keep(g: torch.fx.GraphModule, _inputs: Any) -> Any:
+            self.aot.append(g.code)
+            self.contexts.append([(n.name, _paths(n), n.meta.get("stack_trace")) for n in g.graph.nodes])
+            return g
+
+        return aot_module_simplified(
+            gm, example_inputs, fw_compiler=keep, bw_compiler=keep, partition_fn=min_cut_rematerialization_partition
+        )
+
+
+def _paths(node: torch.fx.Node) -> list[str]:
+    return [path for path, _cls in (node.meta.get("nn_module_stack") or {}).values()]
+
+
+def _step(model: nn.Module, x: torch.Tensor, *, once: bool) -> _Graphs:
+    torch._dynamo.reset()
+    graphs = _Graphs()
+    with dynamo_ext.config.patch(trace_blocks_once=once, compile_blocks_once=False):
+        out = torch.compile(model, backend=graphs, fullgraph=True)(x)
+        out.float().sum().backward()
+    return graphs
+
+
+def _by_position(gm: torch.fx.GraphModule) -> str:
+    """``gm``'s code with every node named by its position: what tracing and stamping must agree on."""
+    names = {n.name: f"n{i}" for i, n in enumerate(gm.graph.nodes)}
+    return re.sub(r"\b[A-Za-z_]\w*\b", lambda m: names.get(m.group(0), m.group(0)), gm.code)
+
+
+def _node_facts(gm: torch.fx.GraphModule) -> list[tuple[Any, ...]]:
+    facts = []
+    for n in gm.graph.nodes:
+        v = n.meta.get("example_value")
+        value = (type(v), tuple(v.shape), v.stride(), v.dtype, v.requires_grad) if isinstance(v, torch.Tensor) else None
+        facts.append((_paths(n), value))
+    return facts
+
+
+def _stamped(lines: list[str]) -> list[str]:
+    return [line for line in lines if " stamped from " in line and "not stamped" not in line]
+
+
+def _assert_same_as_traced(model: nn.Module, x: torch.Tensor, caplog: Any) -> list[str]:
+    """Compile ``model``'s step with every block traced and with blocks stamped; assert the graphs agree;
+    return the stamping log lines."""
+    traced = _step(model, x, once=False)
+    with caplog.at_level(logging.DEBUG, logger=trace_once.__name__):
+        stamped = _step(model, x, once=True)
+    assert len(traced.dynamo) == len(stamped.dynamo) == 1
+    assert _by_position(stamped.dynamo[0]) == _by_position(traced.dynamo[0])
+    assert _node_facts(stamped.dynamo[0]) == _node_facts(traced.dynamo[0])
+    assert stamped.aot == traced.aot  # AOTAutograd's forward and backward, node for node
+    assert stamped.contexts == traced.contexts  # with each node's block and user stack
+    return [r.getMessage() for r in caplog.records if r.name == trace_once.__name__]
+
+
+def test_stamped_fsdp_over_tp_llama_gives_the_traced_graphs(world, caplog):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from dynamo_ext.audit.targets import example_llama as ex
+
+    cfg = ex.Config(n_layers=3)
+    torch.manual_seed(0)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    model = ex.parallelize(ex.Decoder(cfg), mesh)
+    tokens = torch.randint(0, cfg.vocab, (cfg.batch, cfg.seq))
+    lines = _assert_same_as_traced(model, tokens, caplog)
+    stamped = _stamped(lines)
+    assert len(stamped) == 2, lines
+    assert stamped[0].startswith("L['fn'].layers.1 stamped from L['fn'].layers.0"), stamped
+
+
+def test_fsdp2_blocks_are_stamped_and_a_block_that_differs_is_traced(world, caplog):
+    net = build(4, inners=(6, 6, 6, 8))  # the fourth block is wider: other shapes, other guards
+    lines = _assert_same_as_traced(net, batch(0, 0), caplog)
+    assert len(_stamped(lines)) == 2, lines
+    refused = [line for line in lines if "blocks.3" in line or "['3']" in line]
+    assert refused and "traced, not stamped" in refused[0] and "differs from the recorded block's" in refused[0]
+
+
+def test_switch_off_traces_every_block(world, caplog):
+    net = build(4, inners=(6, 6, 6))
+    with caplog.at_level(logging.DEBUG, logger=trace_once.__name__):
+        _step(net, batch(0, 0), once=False)
+    assert not [r for r in caplog.records if r.name == trace_once.__name__]
+
+
+class _Counting:
+    """A backend counting Dynamo's compiles."""
+
+    def __init__(self) -> None:
+        self.compiles = 0
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
+        self.compiles += 1
+        return gm
+
+
+class _Block(nn.Module):
+    def __init__(self, width: int, scale: float = 1.0) -> None:
+        super().__init__()
+        self.up = nn.Linear(width, 2 * width)
+        self.down = nn.Linear(2 * width, width)
+        self.scale = scale
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.scale * self.down(torch.relu(self.up(x)))
+
+
+class _Stack(nn.Module):
+    def __init__(self, blocks: list[nn.Module]) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(blocks)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def _compiles_after_each_change(net: _Stack, x: torch.Tensor, *, once: bool) -> list[int]:
+    """Compile counts after a series of changes to blocks after the first, each undone after the next call."""
+    torch._dynamo.reset()
+    backend = _Counting()
+    counts = []
+    with dynamo_ext.config.patch(trace_blocks_once=once):
+        compiled = torch.compile(net, backend=backend)
+        compiled(x)
+        compiled(x)
+        counts.append(backend.compiles)
+        net.layers[2].scale = 2.0  # a Python attribute its forward reads (block 0's trace guarded its own)
+        compiled(x)
+        counts.append(backend.compiles)
+        net.layers[2].scale = 1.0
+        compiled(x)  # the first compile's guards hold again
+        counts.append(backend.compiles)
+        old = net.layers[1].up.bias
+        net.layers[1].up.bias = nn.Parameter(old.detach().clone(), requires_grad=False)  # another tensor kind
+        compiled(x)
+        counts.append(backend.compiles)
+        net.layers[1].up.bias = old
+        handle = net.layers[3].register_forward_pre_hook(lambda m, args: None)
+        compiled(x)
+        counts.append(backend.compiles)
+        handle.remove()
+    return counts
+
+
+def test_a_stamped_block_recompiles_where_a_traced_block_does(world):
+    torch.manual_seed(0)
+    net = _Stack([_Block(8) for _ in range(4)])
+    x = torch.randn(3, 8)
+    traced = _compiles_after_each_change(net, x, once=False)
+    stamped = _compiles_after_each_change(net, x, once=True)
+    assert stamped == traced
+    assert traced[:4] == [1, 2, 2, 3], traced
+
+
+def _eager_and_compiled(model: nn.Module, x: torch.Tensor, caplog: Any) -> list[str]:
+    """Loss and gradients of ``model`` compiled (blocks stamped) equal eager's; returns the stamping log."""
+    torch._dynamo.reset()
+    expected = model(x).square().sum()
+    expected.backward()
+    want = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    with caplog.at_level(logging.DEBUG, logger=trace_once.__name__):
+        loss = torch.compile(model, backend="aot_eager")(x).square().sum()
+    loss.backward()
+    torch.testing.assert_close(loss, expected)
+    for got, w in zip([p.grad for p in model.parameters()], want):
+        torch.testing.assert_close(got, w)
+    return [r.getMessage() for r in caplog.records if r.name == trace_once.__name__]
+
+
+def test_plain_blocks_are_stamped_and_match_eager(world, caplog):
+    torch.manual_seed(0)
+    lines = _eager_and_compiled(_Stack([_Block(8) for _ in range(4)]), torch.randn(3, 8), caplog)
+    # block 0 reads the input, which needs no gradient, the others an activation that does: block 1 is the
+    # recording the last two are stamped from
+    assert _stamped(lines) == [
+        "L['self'].layers.2 stamped from L['self'].layers.1 (5 nodes, 29 guards carried over)",
+        "L['self'].layers.3 stamped from L['self'].layers.1 (5 nodes, 29 guards carried over)",
+    ], lines
+
+
+def test_a_block_with_another_constant_is_traced(world, caplog):
+    torch.manual_seed(0)
+    blocks = [_Block(8), _Block(8), _Block(8, scale=0.5), _Block(8)]
+    lines = _eager_and_compiled(_Stack(blocks), torch.randn(3, 8), caplog)
+    assert any("['2'] traced, not stamped" in line and ".scale" in line for line in lines), lines
+    assert [line.split(" ")[0] for line in _stamped(lines)] == ["L['self'].layers.3"], lines
+
+
+class _CountingBlock(_Block):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls = getattr(self, "calls", 0) + 1  # state the call leaves behind
+        return super().forward(x)
+
+
+def test_a_block_that_leaves_a_mutation_is_traced_every_time(world, caplog):
+    torch.manual_seed(0)
+    model = _Stack([_CountingBlock(8) for _ in range(3)])
+    lines = _eager_and_compiled(model, torch.randn(3, 8), caplog)
+    assert not _stamped(lines), lines
+    assert any("leaves" in line and "mutated" in line for line in lines), lines
+    assert [b.calls for b in model.layers] == [2, 2, 2]  # eager's call and the compiled one
+
+
+class _Rescaled(_Stack):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.layers[2].scale = 3.0  # a pending mutation of block 2 when it is called
+        return super().forward(x)
+
+
+def test_a_block_with_a_pending_mutation_is_traced(world, caplog):
+    torch.manual_seed(0)
+    model = _Rescaled([_Block(8) for _ in range(3)])
+    lines = _eager_and_compiled(model, torch.randn(3, 8), caplog)
+    assert any("['2'] traced, not stamped" in line and "pending mutations" in line for line in lines), lines
+
+
+def test_hook_keys_are_matched_module_by_module():
+    a, b = _Block(4), _Block(4)
+    a.up.register_forward_hook(lambda *args: None)
+    with pytest.raises(trace_guards.StampError, match="module up has 0 _forward_hooks, the recorded block 1"):
+        trace_guards.hook_key_map(a, b)
+    b.up.register_forward_hook(lambda *args: None)
+    keys = trace_guards.hook_key_map(a, b)
+    assert keys == {next(iter(a.up._forward_hooks)): next(iter(b.up._forward_hooks))}
+
+
+def test_renaming_stops_at_a_path_step():
+    assert trace_guards.mentions("L['m'].layers.1.up", "L['m'].layers.1")
+    assert not trace_guards.mentions("L['m'].layers.10.up", "L['m'].layers.1")
+    assert trace_guards.mentions("list(dict.keys(L['m'].layers.1))[0]", "L['m'].layers.1")
+
+
+class _RotaryBlock(_Block):
+    """A block called as transformers' decoder layers are: keyword arguments, a tuple of tensors, a None."""
+
+    def forward(
+        self, x: torch.Tensor, *, position: tuple[torch.Tensor, torch.Tensor], mask: Any = None
+    ) -> torch.Tensor:
+        cos, sin = position
+        return super().forward(x * cos + x.flip(-1) * sin)
+
+
+class _RotaryStack(_Stack):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        angles = torch.arange(x.shape[-1], dtype=x.dtype) / x.shape[-1]
+        position = (angles.cos(), angles.sin())
+        for layer in self.layers:
+            x = layer(x, position=position, mask=None)
+        return x
+
+
+def test_blocks_called_with_keyword_and_tuple_arguments_are_stamped(world, caplog):
+    torch.manual_seed(0)
+    lines = _eager_and_compiled(_RotaryStack([_RotaryBlock(8) for _ in range(4)]), torch.randn(3, 8), caplog)
+    assert [line.split(" ")[0] for line in _stamped(lines)] == ["L['self'].layers.2", "L['self'].layers.3"], lines
