@@ -260,24 +260,37 @@ def run_parts_on_ranks(parts: dict[str, Callable[..., Any]], *, nproc: int = 4, 
 
 
 @contextlib.contextmanager
-def split_logs() -> Iterator[list[str]]:
-    """The block split's INFO lines that say how each graph was split (NOTE [blocks compiled once]), while the
-    block runs: ``"blocks compiled once: N submodules, C compiled, R running an identical block's compile"``."""
-    from dynamo_ext.blocks import split as block_split
-
+def _logged(logger_name: str, level: int, contains: str) -> Iterator[list[str]]:
+    """The messages of ``logger_name`` at ``level`` or above that contain ``contains``, while the block runs."""
     records: list[str] = []
 
     class _Keep(logging.Handler):
         def emit(self, record: logging.LogRecord) -> None:
-            if "submodules" in record.getMessage():
+            if contains in record.getMessage():
                 records.append(record.getMessage())
 
-    logger = logging.getLogger(block_split.__name__)
-    handler, level = _Keep(), logger.level
+    logger = logging.getLogger(logger_name)
+    handler, old_level = _Keep(level), logger.level
     logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
+    logger.setLevel(level)
     try:
         yield records
     finally:
         logger.removeHandler(handler)
-        logger.setLevel(level)
+        logger.setLevel(old_level)
+
+
+def split_logs() -> contextlib.AbstractContextManager[list[str]]:
+    """The block split's INFO lines that say how each graph was split (NOTE [blocks compiled once]), while the
+    block runs: ``"blocks compiled once: N submodules, C compiled, R running an identical block's compile"``."""
+    from dynamo_ext.blocks import split as block_split
+
+    return _logged(block_split.__name__, logging.INFO, "submodules")
+
+
+def stamp_logs() -> contextlib.AbstractContextManager[list[str]]:
+    """The DEBUG lines of blocks stamped from an identical block's trace (NOTE [blocks traced once]), while the
+    block runs: ``"L['fn'].layers.1 stamped from L['fn'].layers.0 (N nodes, G guards carried over)"``."""
+    from dynamo_ext.blocks import trace_once
+
+    return _logged(trace_once.__name__, logging.DEBUG, " stamped from ")

@@ -25,14 +25,16 @@ from typing import Any
 import pytest
 import torch
 from fsdp_training import build, diff, train
-from helpers import run_parts_on_ranks, split_logs
+from helpers import run_parts_on_ranks, split_logs, stamp_logs
 
 pytestmark = pytest.mark.gloo
 
 # Two identical blocks are split in every FSDP2 configuration of test_fsdp_training_gloo.py (the default);
 # here four, so that three blocks run the first one's compile.
 CONFIGS = {
-    "fsdp_over_tp": {"tp": True},
+    # rank 2 traces every block while the others stamp blocks 1 to 3 from block 0's trace (NOTE [blocks traced
+    # once]): a rank-local decision that must leave the collectives and the numbers as they are
+    "fsdp_over_tp": {"tp": True, "no_stamp_on_rank": 2},
     # FSDP2 with Inductor and uneven shards; rank 1 never reuses a compile (its reuse decisions differ from every
     # other rank's), ranks 0, 2 and 3 reuse the first block's
     "rank1_compiles_every_block": {"backend": "inductor", "no_reuse_on_rank": 1},
@@ -48,6 +50,7 @@ TOL = 1e-5
 
 
 def _run(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
+    import dynamo_ext
     import dynamo_ext._compat as compat
     from dynamo_ext.blocks import split as block_split
 
@@ -71,8 +74,9 @@ def _run(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
         with compat.compiled_autograd(torch.compile(backend=backend, fullgraph=True)):
             loss.backward()
 
+    stamping = cfg.get("no_stamp_on_rank") != rank
     try:
-        with split_logs() as records:
+        with split_logs() as records, stamp_logs() as stamps, dynamo_ext.config.patch(trace_blocks_once=stamping):
             model = torch.compile(net, backend=backend, fullgraph=True)
             compiled = train(net, model, rank, backward=backward, **build_kwargs)
     finally:
@@ -81,6 +85,7 @@ def _run(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
         **diff(eager, compiled),
         "breaks": sum(compat.dynamo_counters()["graph_break"].values()),
         "split": records,
+        "stamped": stamps,
     }
 
 
@@ -97,9 +102,9 @@ def _titan(rank: int, world: int, compiled_autograd: bool) -> dict[str, Any]:
     example = sys.modules[spec.name] = importlib.util.module_from_spec(spec)  # its dataclasses look it up
     spec.loader.exec_module(example)
     model, optim, step = example.make_step()
-    with split_logs() as records:
+    with split_logs() as records, stamp_logs() as stamps:
         result = check_step(Step(model, optim, step), rtol=1e-4, atol=1e-5)
-    return {"compared": result["compared"], "mismatches": result["mismatches"][:3], "split": records}
+    return {"compared": result["compared"], "mismatches": result["mismatches"][:3], "split": records, "stamped": stamps}
 
 
 @pytest.fixture(scope="module")
@@ -123,6 +128,12 @@ def test_blocks_compiled_once_match_eager_fsdp2(ranks, name):
         assert any(expected in m for m in r["split"]), where
         if CONFIGS[name].get("compiled_autograd"):
             assert any(f"compiled-autograd backward, {expected}" in m for m in r["split"]), where
+        # Dynamo traced block 0 and stamped the others from it (every rank but one that traces every block)
+        stamped = [m.split(" ")[0] for m in r["stamped"]]
+        if CONFIGS[name].get("no_stamp_on_rank") == rank:
+            assert stamped == [], where
+        else:
+            assert stamped == [f"L['fn'].blocks.{i}" for i in (1, 2, 3)] * 3, where  # one trace per step
 
 
 @pytest.mark.parametrize("backward", ["eager_backward", "compiled_autograd"])

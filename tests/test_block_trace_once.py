@@ -75,7 +75,7 @@ def _node_facts(gm: torch.fx.GraphModule) -> list[tuple[Any, ...]]:
 
 
 def _stamped(lines: list[str]) -> list[str]:
-    return [line for line in lines if " stamped from " in line and "not stamped" not in line]
+    return [line for line in lines if " stamped from " in line]
 
 
 def _assert_same_as_traced(model: nn.Module, x: torch.Tensor, caplog: Any) -> list[str]:
@@ -108,12 +108,15 @@ def test_stamped_fsdp_over_tp_llama_gives_the_traced_graphs(world, caplog):
     assert stamped[0].startswith("L['fn'].layers.1 stamped from L['fn'].layers.0"), stamped
 
 
-def test_fsdp2_blocks_are_stamped_and_a_block_that_differs_is_traced(world, caplog):
-    net = build(4, inners=(6, 6, 6, 8))  # the fourth block is wider: other shapes, other guards
-    lines = _assert_same_as_traced(net, batch(0, 0), caplog)
+@pytest.mark.parametrize("tp", [False, True], ids=["fsdp2", "fsdp_over_tp_a_mesh_per_block"])
+def test_fsdp2_blocks_are_stamped_and_a_block_that_differs_is_traced(world, caplog, tp):
+    # the fourth block is wider: other shapes, other guards.  With TP each block's hooks hold a mesh object of
+    # their own (``mesh2d["tp"]`` per block), equal to the others.
+    net = build(4, inners=(6, 6, 6, 8), tp=tp)
+    lines = _assert_same_as_traced(net, batch(0, 0, tp=tp), caplog)
     assert len(_stamped(lines)) == 2, lines
     refused = [line for line in lines if "blocks.3" in line or "['3']" in line]
-    assert refused and "traced, not stamped" in refused[0] and "differs from the recorded block's" in refused[0]
+    assert refused and "traced, the recording of" in refused[0] and "differs from the recorded block's" in refused[0]
 
 
 def test_switch_off_traces_every_block(world, caplog):
@@ -225,7 +228,7 @@ def test_a_block_with_another_constant_is_traced(world, caplog):
     torch.manual_seed(0)
     blocks = [_Block(8), _Block(8), _Block(8, scale=0.5), _Block(8)]
     lines = _eager_and_compiled(_Stack(blocks), torch.randn(3, 8), caplog)
-    assert any("['2'] traced, not stamped" in line and ".scale" in line for line in lines), lines
+    assert any("['2'] traced, the recording of" in line and ".scale" in line for line in lines), lines
     assert [line.split(" ")[0] for line in _stamped(lines)] == ["L['self'].layers.3"], lines
 
 
@@ -254,7 +257,7 @@ def test_a_block_with_a_pending_mutation_is_traced(world, caplog):
     torch.manual_seed(0)
     model = _Rescaled([_Block(8) for _ in range(3)])
     lines = _eager_and_compiled(model, torch.randn(3, 8), caplog)
-    assert any("['2'] traced, not stamped" in line and "pending mutations" in line for line in lines), lines
+    assert any("['2'] traced, the recording of" in line and "pending mutations" in line for line in lines), lines
 
 
 def test_hook_keys_are_matched_module_by_module():
@@ -296,3 +299,24 @@ def test_blocks_called_with_keyword_and_tuple_arguments_are_stamped(world, caplo
     torch.manual_seed(0)
     lines = _eager_and_compiled(_RotaryStack([_RotaryBlock(8) for _ in range(4)]), torch.randn(3, 8), caplog)
     assert [line.split(" ")[0] for line in _stamped(lines)] == ["L['self'].layers.2", "L['self'].layers.3"], lines
+
+
+def test_uninstall_restores_what_stamping_patches():
+    from torch._dynamo.side_effects import SideEffects
+    from torch._dynamo.variables import UnspecializedNNModuleVariable, builder
+
+    def entries() -> tuple[Any, ...]:
+        return (
+            UnspecializedNNModuleVariable.call_function,
+            SideEffects.store_attr,
+            SideEffects.mutation,
+            builder.make_dupe_guard,
+        )
+
+    before = entries()
+    dynamo_ext.install()
+    try:
+        assert all(now is not then for now, then in zip(entries(), before))
+    finally:
+        dynamo_ext.uninstall()
+    assert entries() == before

@@ -32,10 +32,18 @@ def block_trace_supported() -> bool:
     graph_cls, effects_cls = output_graph.OutputGraph, side_effects.SideEffects
     return (
         callable(getattr(Source, "get_value", None))
+        and "output_graph_weakref" in effects_cls.__init__.__code__.co_names
         and callable(getattr(graph_cls, "install_subgraph", None))
         and all(callable(getattr(effects_cls, f, None)) for f in ("store_attr", "mutation"))
         and callable(getattr(_variables.UnspecializedNNModuleVariable, "call_function", None))
     )
+
+
+def tracks_nodes_for_deduplication() -> bool:
+    """Whether Dynamo records each node it creates for graph deduplication (``use_graph_deduplication`` or
+    ``track_nodes_for_deduplication``): it identifies regions by the instruction that made each node."""
+    cfg = torch._dynamo.config
+    return bool(getattr(cfg, "use_graph_deduplication", False) or getattr(cfg, "track_nodes_for_deduplication", False))
 
 
 def install_module_call_hook(patches: Any, hook: Any) -> None:
@@ -55,28 +63,35 @@ _MUTATIONS = "_dynamo_ext_mutations"
 
 def install_mutation_log(patches: Any) -> None:
     """Log every tracker Dynamo records a mutation of (``SideEffects.store_attr`` and ``mutation``), in order,
-    on the ``SideEffects`` object: :func:`mutation_log` reads it."""
+    on the frame's ``OutputGraph``: :func:`mutation_log` reads it.  Kept on the graph, not on its
+    ``SideEffects``: tracing a higher-order op's body replaces that object with a copy made before it."""
     from torch._dynamo.side_effects import SideEffects
 
     store_attr, mutation = SideEffects.store_attr, SideEffects.mutation
 
+    def _log(effects: Any, item: Any) -> None:
+        output = effects.output_graph_weakref()  # 2.11 to 2.15 (``block_trace_supported`` probes it)
+        if output is not None:
+            mutation_log(output).append(item)
+
     def logged_store_attr(self: Any, item: Any, *args: Any, **kwargs: Any) -> Any:
-        mutation_log(self).append(item)
+        _log(self, item)
         return store_attr(self, item, *args, **kwargs)
 
     def logged_mutation(self: Any, var: Any) -> Any:
-        mutation_log(self).append(var)
+        _log(self, var)
         return mutation(self, var)
 
     patches.setattr(SideEffects, "store_attr", logged_store_attr)
     patches.setattr(SideEffects, "mutation", logged_mutation)
 
 
-def mutation_log(side_effects: Any) -> list[Any]:
-    """The trackers whose mutations ``side_effects`` recorded, in order, repeats included (see above)."""
-    log = side_effects.__dict__.get(_MUTATIONS)
+def mutation_log(output: Any) -> list[Any]:
+    """The trackers whose mutations the frame of ``output`` (an ``OutputGraph``) recorded, in order, repeats
+    included, those made while a higher-order op's body was traced too (see above)."""
+    log = output.__dict__.get(_MUTATIONS)
     if log is None:
-        log = side_effects.__dict__[_MUTATIONS] = []
+        log = output.__dict__[_MUTATIONS] = []
     return log
 
 
@@ -139,6 +154,20 @@ def is_constant_variable(vt: Any) -> bool:
     return isinstance(vt, _variables.ConstantVariable)
 
 
+def opaque_guard_values(value: Any) -> Any:
+    """What Dynamo's ``OPAQUE_OBJ_GUARD_FN_MATCH`` compares of an opaque object (a mesh passed as a graph input):
+    the values of the guard function registered for its type (``extract_opaque_obj``, 2.12 on); the object's
+    identity where this release has no such function."""
+    extract = getattr(_guards, "extract_opaque_obj", None)
+    return ("id", id(value)) if extract is None else ("values", extract(None, value))
+
+
+def script_object_type(value: Any) -> type:
+    """The class ``FAKE_SCRIPT_TYPE_MATCH`` checks: a fake script object's real object's, else the value's."""
+    real = getattr(value, "real_obj", None)
+    return type(value if real is None else real)
+
+
 def is_sequence_variable(vt: Any) -> bool:
     """Whether ``vt`` tracks a tuple or list whose items it holds (``TupleVariable``, ``ListVariable``)."""
     return isinstance(vt, (_variables.TupleVariable, _variables.ListVariable))
@@ -174,8 +203,8 @@ def add_mutated_sources(side_effects: Any, sources: list[Any]) -> None:
 
 
 def frame_registrations(output: Any) -> tuple[int, ...]:
-    """How many tensor hooks, backward-state entries, saved-for-backward records and Python ``random`` calls
-    the frame holds so far: a call that adds one leaves more than its nodes."""
+    """How many tensor hooks, backward-state entries, saved-for-backward records, Python ``random`` calls and
+    shape guards the frame holds so far: a call that adds one leaves more than its nodes."""
     effects = output.side_effects
     backward_state = getattr(output, "backward_state", None) or {}
     return (
@@ -183,6 +212,7 @@ def frame_registrations(output: Any) -> tuple[int, ...]:
         len(backward_state),
         len(getattr(effects, "save_for_backward", ())),
         len(getattr(output, "random_calls", ())),
+        len(getattr(getattr(output, "shape_env", None), "guards", ())),
     )
 
 

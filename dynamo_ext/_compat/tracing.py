@@ -80,6 +80,25 @@ def fake_mode_of(values: list[Any]) -> Any:
     return torch._guards.detect_fake_mode(values) or FakeTensorMode()
 
 
+def tensor_fake_mode(value: Any) -> Any:
+    """The fake mode a fake tensor (or a DTensor of one) belongs to (``FakeTensor.fake_mode``); None for others."""
+    mode = getattr(value, "fake_mode", None)
+    if mode is None:
+        mode = getattr(getattr(value, "_local_tensor", None), "fake_mode", None)
+    return mode
+
+
+def storage_of(value: Any) -> Any:
+    """A hashable handle of the storage a tensor's data lives in (a DTensor's local tensor's), or None."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    local = getattr(value, "_local_tensor", value)
+    try:
+        return StorageWeakRef(local.untyped_storage())
+    except (NotImplementedError, RuntimeError, AttributeError):
+        return None
+
+
 def detect_fake_mode(values: list[Any]) -> Any:
     """``torch._guards.detect_fake_mode`` over example values (None when none are fake)."""
     fn = optional_attr("torch._guards", "detect_fake_mode")
@@ -96,6 +115,12 @@ def to_fake(mode: Any, value: Any) -> Any:
     if isinstance(value, torch.Tensor) and not isinstance(value, FakeTensor):
         return importlib.import_module("torch._dynamo.utils").to_fake_tensor(value, mode)
     return value
+
+
+def refake(mode: Any, value: Any) -> Any:
+    """A fake tensor of ``mode`` with the metadata of ``value``, a fake tensor of another mode (or a DTensor of
+    one): ``FakeTensorMode.from_tensor``, as Dynamo makes the backend's inputs from its own fake values."""
+    return mode.from_tensor(value)
 
 
 def is_traceable_subclass(value: Any) -> bool:

@@ -238,8 +238,8 @@ _SAME: dict[str, Callable[[Any, dict[str, Any]], Any]] = {
     "NOT_PRESENT_IN_GENERIC_DICT": lambda v, kw: kw["attr"] in getattr(v, "__dict__", {}),
     "DTENSOR_SPEC_MATCH": lambda v, kw: getattr(v, "_spec", v),
     "TENSOR_MATCH": lambda v, kw: _tensor_meta(v),
-    "OPAQUE_OBJ_GUARD_FN_MATCH": lambda v, kw: id(v),
-    "FAKE_SCRIPT_TYPE_MATCH": lambda v, kw: id(v),
+    "OPAQUE_OBJ_GUARD_FN_MATCH": lambda v, kw: _compat.opaque_guard_values(v),
+    "FAKE_SCRIPT_TYPE_MATCH": lambda v, kw: _compat.script_object_type(v),
 }
 # Installed by Dynamo's VariableBuilder for each graph input the stamp lifts: not installed again.
 _INSTALLED_WITH_INPUTS = frozenset({"TENSOR_MATCH"})

@@ -84,7 +84,10 @@ def call(tx: Any, module_vt: Any, args: list[Any], kwargs: dict[str, Any], trace
 
     ``trace`` runs Dynamo's own inlining of the call; NOTE [blocks traced once].
     """
-    found = _container_item(tx, module_vt) if config.trace_blocks_once else None
+    # Graph deduplication (block reuse, NOTE [block reuse]) finds its regions by the instruction that made each
+    # node: a stamped node has none of its own, so under it every block is traced.
+    stamping = config.trace_blocks_once and not _compat.tracks_nodes_for_deduplication()
+    found = _container_item(tx, module_vt) if stamping else None
     if found is None or _compat.inside_higher_order_op(tx):
         return trace()
     source, _container = found
@@ -103,7 +106,7 @@ def call(tx: Any, module_vt: Any, args: list[Any], kwargs: dict[str, Any], trace
         try:
             return stamp(tx, recording, module_vt, source, leaves)
         except StampError as why:
-            log.debug("%s traced, not stamped from %s: %s", _compat.source_name(source), recording.path, why)
+            log.debug("%s traced, the recording of %s not used: %s", _compat.source_name(source), recording.path, why)
             return trace()
     if key in recordings:
         return trace()

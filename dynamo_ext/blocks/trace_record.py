@@ -111,7 +111,7 @@ def record(tx: Any, module_vt: Any, source: Any, args: list[Any], trace: Any, re
     graph = output.root_tracer.graph
     before = set(graph.nodes)
     guards_before = set(output.guards)
-    effects = _compat.mutation_log(output.side_effects)
+    effects = _compat.mutation_log(output)
     effects_start = len(effects)
     key_order_before = set(output.guard_on_key_order)
     mutated_before = set(_compat.mutated_sources(output.side_effects))
@@ -128,12 +128,8 @@ def record(tx: Any, module_vt: Any, source: Any, args: list[Any], trace: Any, re
             raise StampError("the call changed the tracer")
         new = [n for n in graph.nodes if n not in before]
         inputs = tuple(
-            (n, n.meta["grapharg"].source, value_meta(n.meta.get("example_value")))
-            for n in new
-            if n.op == "placeholder"
+            (n, _input_source(n), value_meta(n.meta.get("example_value"))) for n in new if n.op == "placeholder"
         )
-        if any(s is None for _, s, _ in inputs):
-            raise StampError("it lifted a graph input without a source")
         nodes = tuple(n for n in new if n.op != "placeholder")
         result_node = node_of(result)
         if type(result) is not _compat.tensor_variable_class() or result_node is None or result_node not in set(nodes):
@@ -154,7 +150,7 @@ def record(tx: Any, module_vt: Any, source: Any, args: list[Any], trace: Any, re
         if any(calls_before.get(k, 0) for k in tx.num_calls if tx.num_calls[k] != calls_before.get(k, 0)):
             raise StampError("a module of the block was called before")
         if _compat.frame_registrations(output) != hooks_before:
-            raise StampError("it registered tensor hooks, backward state or Python random calls")
+            raise StampError("it registered tensor hooks, backward state, Python random calls or shape guards")
         if _compat.global_trace_state(tx) != key[2][2]:
             raise StampError("it changed global state (grad mode, autocast, torch function modes)")
         check_effects(tx, effects[effects_start:])
@@ -203,6 +199,18 @@ def record(tx: Any, module_vt: Any, source: Any, args: list[Any], trace: Any, re
     return result
 
 
+def _input_source(node: torch.fx.Node) -> Any:
+    """The source of a graph input a block call lifted; raises :class:`StampError` for one without (a value
+    Dynamo made) or a symbolic value (its symbol's guards would be another block's)."""
+    source = getattr(node.meta.get("grapharg"), "source", None)
+    if source is None:
+        raise StampError("it lifted a graph input without a source")
+    value = node.meta.get("example_value")
+    if not isinstance(value, torch.Tensor) and getattr(value, "real_obj", None) is None:
+        raise StampError(f"it lifted {type(value).__name__} graph input {node.name} (a symbolic value)")
+    return source
+
+
 def source_name_of(vt: Any) -> str:
     source = getattr(vt, "source", None)
     return "" if source is None else _compat.source_name(source)
@@ -248,7 +256,7 @@ def _restored(tx: Any, vt: Any, resolve: Any) -> bool:
     for attr, value in attrs.items():
         if not _same_object(tx, value, getattr(obj, attr, _MISSING), resolve):
             return False
-    items = getattr(vt, "items", None)
+    items = vt.__dict__.get("items")  # a dict's or list's tracked contents (not a tracker's attribute lookup)
     if isinstance(items, dict) and isinstance(obj, dict):
         keys = [_compat.hashable_key(k) for k in items]
         if keys != list(obj):
@@ -256,7 +264,8 @@ def _restored(tx: Any, vt: Any, resolve: Any) -> bool:
         return all(_same_object(tx, v, obj[k], resolve) for k, v in zip(keys, items.values()))
     if isinstance(items, list) and isinstance(obj, list):
         return len(items) == len(obj) and all(_same_object(tx, v, o, resolve) for v, o in zip(items, obj))
-    return bool(attrs) or items is None
+    # Attribute writes only, all checked above; any other kind of mutated contents is not compared: refused.
+    return items is None and bool(attrs)
 
 
 _MISSING = object()

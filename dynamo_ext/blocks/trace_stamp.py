@@ -72,7 +72,7 @@ def stamp(tx: Any, rec: Recording, module_vt: Any, source: Any, args: list[Any])
 def _check_state(tx: Any, rec: Recording, renaming: Renaming, resolve: Any) -> None:
     """Refuse when block ``i`` has pending mutations, when an object outside the container's blocks was mutated
     since the recording, or when an object the recorded block met twice is two objects in block ``i``."""
-    effects = _compat.mutation_log(tx.output.side_effects)
+    effects = _compat.mutation_log(tx.output)
     for vt in effects:
         if trace_guards.mentions(source_name_of(vt), renaming.new_name):
             raise StampError("the block has pending mutations")
