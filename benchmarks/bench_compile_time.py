@@ -19,8 +19,10 @@ Ways:
 - ``stock``: ``torch.compile(model)`` without the plugin (Dynamo breaks at each FSDP2 block);
 - ``per-block``: stock ``torch.compile`` on each block (torchtitan's way; FSDP2's hooks
   stay eager around the compiled blocks): the reference of the ratios;
-- ``plugin``: ``dynamo_ext.install()``, ``torch.compile(model)``: one Dynamo graph, each distinct block
-  compiled once (``dynamo_ext.config.compile_blocks_once``, the default; docs/compile_time.md);
+- ``plugin``: ``dynamo_ext.install()``, ``torch.compile(model)``: one Dynamo graph, the first of identical
+  blocks traced and the others stamped from it (``dynamo_ext.config.trace_blocks_once``), each distinct block
+  compiled once (``dynamo_ext.config.compile_blocks_once``); the defaults, docs/compile_time.md;
+- ``plugin-traced``: the same with ``trace_blocks_once`` off: Dynamo traces every block;
 - ``plugin-whole``: the same with ``compile_blocks_once`` off: the one graph compiled whole;
 - ``plugin+reuse``: ``plugin-whole`` with ``dynamo_ext.config.block_reuse`` on (docs/compile_time.md);
 - ``plugin-per-block``: ``dynamo_ext.install()``, then ``torch.compile`` on each block as ``per-block``:
@@ -28,7 +30,7 @@ Ways:
   hooks eager between them (docs/compile_time.md, "Deep models today").
 
 Backwards: ``eager`` (the autograd engine) and ``CA`` (compiled autograd).  ``CA``
-runs for ``plugin`` only: stock torch under compiled autograd leaves FSDP2's gradients
+runs for ``plugin`` and ``plugin-traced`` only: stock torch under compiled autograd leaves FSDP2's gradients
 unreduced (wrong numbers, not worth timing), and block reuse refuses compiled autograd
 with an error.
 
@@ -50,7 +52,7 @@ from typing import Any
 
 from _common import bundled_llama, cold_and_warm, launch_on_ranks, llama_loss, max_over_ranks
 
-WAYS = ("stock", "per-block", "plugin", "plugin-whole", "plugin+reuse", "plugin-per-block")
+WAYS = ("stock", "per-block", "plugin", "plugin-traced", "plugin-whole", "plugin+reuse", "plugin-per-block")
 BACKWARDS = ("eager", "CA")
 REFERENCE = "per-block"
 
@@ -69,7 +71,8 @@ def _rank_main(layers: int, way: str, backward: str, steps: int, backend: str, f
         if way.startswith("plugin"):
             dynamo_ext.install()
         dynamo_ext.config.block_reuse = way == "plugin+reuse"
-        dynamo_ext.config.compile_blocks_once = way == "plugin"
+        dynamo_ext.config.compile_blocks_once = way in ("plugin", "plugin-traced")
+        dynamo_ext.config.trace_blocks_once = way == "plugin"
         model, cfg, tokens = bundled_llama(layers, fsdp_only=fsdp_only)
         optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
         if way.endswith("per-block"):
@@ -101,6 +104,7 @@ def _rank_main(layers: int, way: str, backward: str, steps: int, backend: str, f
     finally:
         dynamo_ext.config.block_reuse = False
         dynamo_ext.config.compile_blocks_once = True
+        dynamo_ext.config.trace_blocks_once = True
         dynamo_ext.uninstall()
         dist.destroy_process_group()
 
@@ -171,7 +175,7 @@ def main() -> None:
     for layers in args.layers:
         for way in args.ways:
             for backward in args.backwards:
-                if backward == "CA" and way != "plugin":  # stock: unreduced gradients; block reuse: refused
+                if backward == "CA" and way not in ("plugin", "plugin-traced"):  # stock: unreduced gradients; reuse: refused
                     continue
                 launch = functools.partial(_launch, args, layers, way, backward)
                 cold, warm = cold_and_warm(launch, prefix="bench-compile-", warm=not args.cold_only)

@@ -133,7 +133,7 @@ def test_blocks_compiled_once_match_eager_fsdp2(ranks, name):
         if CONFIGS[name].get("no_stamp_on_rank") == rank:
             assert stamped == [], where
         else:
-            assert stamped == [f"L['fn'].blocks.{i}" for i in (1, 2, 3)] * 3, where  # one trace per step
+            assert stamped == [f"L['fn'].blocks.{i}" for i in (1, 2, 3)], where  # one trace: no recompile
 
 
 @pytest.mark.parametrize("backward", ["eager_backward", "compiled_autograd"])
