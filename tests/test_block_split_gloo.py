@@ -142,6 +142,10 @@ def test_torchtitan_style_llama_split_matches_eager(ranks, backward):
         where = f"rank {rank}, {backward}: {r}"
         # loss, 21 gradients (type, placements, local shard) and 21 parameters after AdamW
         assert r["compared"] == 43 and r["mismatches"] == [], where
+        # Dynamo traced the first block (activation-checkpointed, FSDP2 over TP) and stamped the second from it
+        assert [m.split(" (")[0] for m in r["stamped"]] == ["L['model'].layers.1 stamped from L['model'].layers.0"], (
+            where
+        )
         # the embedding, two blocks (the second runs the first one's compile) and the [norm, output] group
         forward = "blocks compiled once: 4 submodules, 3 compiled, 1 running an identical block's compile"
         if backward == "eager_backward":

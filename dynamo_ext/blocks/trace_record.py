@@ -74,10 +74,15 @@ def arg_key(vt: Any) -> Any:
     value = node.meta.get("example_value") if node is not None else None
     if type(vt) is not _compat.tensor_variable_class() or not isinstance(value, torch.Tensor):
         raise StampError(f"an argument is a {type(vt).__name__}")
-    return ("tensor", *value_meta(value))
+    # Whether an activation is a view does not change the nodes Dynamo adds for ops on it (their fake values,
+    # computed afresh, do): not in the key, so the first block's input (an embedding's view) matches the rest.
+    return ("tensor", *value_meta(value, views=False))
 
 
-def value_meta(value: Any) -> tuple[Any, ...]:
+def value_meta(value: Any, *, views: bool = True) -> tuple[Any, ...]:
+    """What a tensor's trace depends on: class, sizes, strides, offset, dtype, device, ``requires_grad``, a
+    DTensor's spec and local tensor, and (``views``) whether it is a view; raises :class:`StampError` for
+    symbolic sizes.  For another value (an opaque object, a mesh): its class."""
     if isinstance(value, torch.Tensor):
         inner = getattr(value, "_local_tensor", None)
         spec = getattr(value, "_spec", None)
@@ -85,7 +90,8 @@ def value_meta(value: Any) -> tuple[Any, ...]:
         if not all(type(d) is int for d in (*shape, *stride, value.storage_offset())):
             raise StampError("a tensor has symbolic sizes")
         own = (type(value), shape, stride, value.storage_offset(), value.dtype, value.device, value.requires_grad)
-        return (*own, value._is_view(), None if spec is None else spec, None if inner is None else value_meta(inner))
+        view = value._is_view() if views else None
+        return (*own, view, spec, None if inner is None else value_meta(inner, views=views))
     return (type(value), getattr(value, "real_obj", None) is not None)
 
 
@@ -145,8 +151,10 @@ def record(tx: Any, module_vt: Any, source: Any, args: list[Any], trace: Any, re
                     if a.op != "placeholder":
                         raise StampError(f"node {n.name} reads {a.name}, made before the call")
                     external.add(a)
-            if any(k in n.meta for k in ("unbacked_bindings",)):
+            if "unbacked_bindings" in n.meta:
                 raise StampError("it made data-dependent sizes")
+            if n.target in _AUTOGRAD_CALLS:  # traced by reachability from its inputs' autograd graph (views too)
+                raise StampError(f"it calls {n.target.__name__}")
         if any(calls_before.get(k, 0) for k in tx.num_calls if tx.num_calls[k] != calls_before.get(k, 0)):
             raise StampError("a module of the block was called before")
         if _compat.frame_registrations(output) != hooks_before:
@@ -197,6 +205,9 @@ def record(tx: Any, module_vt: Any, source: Any, args: list[Any], trace: Any, re
     )
     log.debug("%s traced and recorded for the identical blocks called after it (%d nodes)", name, len(nodes))
     return result
+
+
+_AUTOGRAD_CALLS = (torch.autograd.grad, torch.autograd.backward)
 
 
 def _input_source(node: torch.fx.Node) -> Any:
