@@ -175,7 +175,10 @@ def main() -> None:
     for layers in args.layers:
         for way in args.ways:
             for backward in args.backwards:
-                if backward == "CA" and way not in ("plugin", "plugin-traced"):  # stock: unreduced gradients; reuse: refused
+                if backward == "CA" and way not in (
+                    "plugin",
+                    "plugin-traced",
+                ):  # stock: unreduced gradients; reuse: refused
                     continue
                 launch = functools.partial(_launch, args, layers, way, backward)
                 cold, warm = cold_and_warm(launch, prefix="bench-compile-", warm=not args.cold_only)
