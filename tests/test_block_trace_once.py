@@ -260,6 +260,21 @@ def test_a_block_with_a_pending_mutation_is_traced(world, caplog):
     assert any("['2'] traced, the recording of" in line and "pending mutations" in line for line in lines), lines
 
 
+class _FirstRescaled(_Stack):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.layers[1].scale = 3.0  # read by block 1's trace as it is pending, with no guard on it
+        return super().forward(x)
+
+
+def test_a_block_traced_with_a_pending_mutation_is_not_stamped_from(world, caplog):
+    torch.manual_seed(0)
+    model = _FirstRescaled([_Block(8) for _ in range(4)])
+    lines = _eager_and_compiled(model, torch.randn(3, 8), caplog)
+    assert any("['1'] traced and not recorded" in line and "pending mutations" in line for line in lines), lines
+    # block 2 is recorded instead, block 3 stamped from it: scale 1.0, as eager (checked above)
+    assert [line.split(" (")[0] for line in _stamped(lines)] == ["L['self'].layers.3 stamped from L['self'].layers.2"]
+
+
 def test_hook_keys_are_matched_module_by_module():
     a, b = _Block(4), _Block(4)
     a.up.register_forward_hook(lambda *args: None)

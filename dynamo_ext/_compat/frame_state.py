@@ -46,26 +46,24 @@ def tracks_nodes_for_deduplication() -> bool:
     return bool(getattr(cfg, "use_graph_deduplication", False) or getattr(cfg, "track_nodes_for_deduplication", False))
 
 
-def install_module_call_hook(patches: Any, hook: Any) -> None:
-    """Route ``UnspecializedNNModuleVariable.call_function`` (a module called while Dynamo traces, FSDP2's
-    ``FSDPManagedNNModuleVariable`` included) through ``hook(tx, module_vt, args, kwargs, trace)``."""
-    cls = _variables.UnspecializedNNModuleVariable
-    original = cls.call_function
+def install_block_trace(patches: Any, hook: Any) -> None:
+    """What stamping blocks hooks into Dynamo, each patch undone by ``patches``:
 
-    def call_function(self: Any, tx: Any, args: Any, kwargs: Any) -> Any:
-        return hook(tx, self, args, kwargs, lambda: original(self, tx, args, kwargs))
-
-    patches.setattr(cls, "call_function", call_function)
-
-
-_MUTATIONS = "_dynamo_ext_mutations"
-
-
-def install_mutation_log(patches: Any) -> None:
-    """Log every tracker Dynamo records a mutation of (``SideEffects.store_attr`` and ``mutation``), in order,
-    on the frame's ``OutputGraph``: :func:`mutation_log` reads it.  Kept on the graph, not on its
-    ``SideEffects``: tracing a higher-order op's body replaces that object with a copy made before it."""
+    - ``UnspecializedNNModuleVariable.call_function`` (a module called while Dynamo traces, FSDP2's
+      ``FSDPManagedNNModuleVariable`` included) routed through ``hook(tx, module_vt, args, kwargs, trace)``;
+    - every tracker Dynamo records a mutation of (``SideEffects.store_attr`` and ``mutation``) logged in order
+      on the frame's ``OutputGraph`` (:func:`mutation_log`): kept on the graph, not on its ``SideEffects``, which
+      tracing a higher-order op's body replaces with a copy made before it;
+    - the (source, earlier source) pairs for which ``VariableBuilder`` met an object it already tracked
+      (``make_dupe_guard``), logged while a :func:`duplicate_log` block is open.
+    """
     from torch._dynamo.side_effects import SideEffects
+
+    cls = _variables.UnspecializedNNModuleVariable
+    call_function = cls.call_function
+
+    def hooked_call_function(self: Any, tx: Any, args: Any, kwargs: Any) -> Any:
+        return hook(tx, self, args, kwargs, lambda: call_function(self, tx, args, kwargs))
 
     store_attr, mutation = SideEffects.store_attr, SideEffects.mutation
 
@@ -82,8 +80,20 @@ def install_mutation_log(patches: Any) -> None:
         _log(self, var)
         return mutation(self, var)
 
+    make_dupe_guard = _guards.make_dupe_guard
+
+    def logged_make_dupe_guard(obj_source: Any, dupe_source: Any) -> Any:
+        if _DUPLICATES and dupe_source is not None:
+            _DUPLICATES[-1].append((obj_source, dupe_source))
+        return make_dupe_guard(obj_source, dupe_source)
+
+    patches.setattr(cls, "call_function", hooked_call_function)
     patches.setattr(SideEffects, "store_attr", logged_store_attr)
     patches.setattr(SideEffects, "mutation", logged_mutation)
+    patches.setattr(_builder, "make_dupe_guard", logged_make_dupe_guard)
+
+
+_MUTATIONS = "_dynamo_ext_mutations"
 
 
 def mutation_log(output: Any) -> list[Any]:
@@ -110,19 +120,17 @@ def container_item_base(source: Any) -> Any:
     return base if isinstance(source, _source.GetItemSource) else None
 
 
-def is_module_source_wrapper(source: Any) -> bool:
-    """Whether ``source`` only marks its base as a module (``NNModuleSource`` and its FSDP/unspecialized kinds)."""
-    return isinstance(source, _source.NNModuleSource)
-
-
-def is_type_source(source: Any) -> bool:
-    """Whether ``source`` is ``type(base)`` (``TypeSource``)."""
-    return isinstance(source, _source.TypeSource)
-
-
-def is_class_dict_source(source: Any) -> bool:
-    """Whether ``source`` reads a class's ``__dict__`` or ``__mro__`` (``TypeDictSource``, ``TypeMROSource``)."""
-    return isinstance(source, (_source.TypeDictSource, _source.TypeMROSource))
+def source_kind(source: Any) -> str | None:
+    """``"module"`` for a source that only marks its base as a module (``NNModuleSource`` and its FSDP and
+    unspecialized kinds), ``"type"`` for ``type(base)`` (``TypeSource``), ``"class dict"`` for a class's
+    ``__dict__`` or ``__mro__`` (``TypeDictSource``, ``TypeMROSource``); None for another source."""
+    if isinstance(source, _source.NNModuleSource):
+        return "module"
+    if isinstance(source, _source.TypeSource):
+        return "type"
+    if isinstance(source, (_source.TypeDictSource, _source.TypeMROSource)):
+        return "class dict"
+    return None
 
 
 def make_dupe_guard(obj_source: Any, dupe_source: Any) -> Any:
@@ -144,14 +152,17 @@ def build_variable(tx: Any, source: Any, value: Any) -> Any:
     return vt.realize() if hasattr(vt, "realize") else vt
 
 
-def tensor_variable_class() -> type:
-    """``TensorVariable``: the tracker of a graph tensor."""
-    return _variables.TensorVariable
-
-
-def is_constant_variable(vt: Any) -> bool:
-    """Whether ``vt`` tracks a Python constant (``ConstantVariable``)."""
-    return isinstance(vt, _variables.ConstantVariable)
+def variable_kind(vt: Any) -> str | None:
+    """``"tensor"`` for a graph tensor's tracker (exactly ``TensorVariable``), ``"constant"`` for a Python
+    constant's (``ConstantVariable``), ``"sequence"`` for a tuple or list whose items it holds
+    (``TupleVariable``, ``ListVariable``); None for another tracker."""
+    if type(vt) is _variables.TensorVariable:
+        return "tensor"
+    if isinstance(vt, _variables.ConstantVariable):
+        return "constant"
+    if isinstance(vt, (_variables.TupleVariable, _variables.ListVariable)):
+        return "sequence"
+    return None
 
 
 def opaque_guard_values(value: Any) -> Any:
@@ -166,11 +177,6 @@ def script_object_type(value: Any) -> type:
     """The class ``FAKE_SCRIPT_TYPE_MATCH`` checks: a fake script object's real object's, else the value's."""
     real = getattr(value, "real_obj", None)
     return type(value if real is None else real)
-
-
-def is_sequence_variable(vt: Any) -> bool:
-    """Whether ``vt`` tracks a tuple or list whose items it holds (``TupleVariable``, ``ListVariable``)."""
-    return isinstance(vt, (_variables.TupleVariable, _variables.ListVariable))
 
 
 def is_new_object(vt: Any) -> bool:
@@ -191,15 +197,14 @@ def hashable_key(key: Any) -> Any:
     return vt.as_python_constant()
 
 
-def mutated_sources(side_effects: Any) -> set[Any]:
-    """The sources Dynamo recorded a mutation through (``SideEffects.mutated_sources``; empty where absent)."""
-    return getattr(side_effects, "mutated_sources", set())
-
-
-def add_mutated_sources(side_effects: Any, sources: list[Any]) -> None:
-    """Record mutations through ``sources`` as a trace of them records them (where the release keeps them)."""
-    if hasattr(side_effects, "mutated_sources"):
-        side_effects.mutated_sources.update(sources)
+def mutated_sources(side_effects: Any, add: list[Any] | None = None) -> set[Any]:
+    """The sources Dynamo recorded a mutation through (``SideEffects.mutated_sources``; empty where absent),
+    after recording mutations through ``add`` as a trace of them records them."""
+    out = getattr(side_effects, "mutated_sources", None)
+    if out is None:
+        return set()
+    out.update(add or ())
+    return out
 
 
 def frame_registrations(output: Any) -> tuple[int, ...]:
@@ -231,22 +236,9 @@ def global_trace_state(tx: Any) -> tuple[Any, ...]:
 _DUPLICATES: list[list[tuple[Any, Any]]] = []
 
 
-def install_duplicate_log(patches: Any) -> None:
-    """Log the (source, earlier source) pairs for which Dynamo's ``VariableBuilder`` found an object it already
-    tracked (``make_dupe_guard``), while a :func:`duplicate_log` block is open."""
-    original = _guards.make_dupe_guard
-
-    def make_dupe_guard(obj_source: Any, dupe_source: Any) -> Any:
-        if _DUPLICATES and dupe_source is not None:
-            _DUPLICATES[-1].append((obj_source, dupe_source))
-        return original(obj_source, dupe_source)
-
-    patches.setattr(_builder, "make_dupe_guard", make_dupe_guard)
-
-
 @contextlib.contextmanager
 def duplicate_log() -> Any:
-    """A list filled with what :func:`install_duplicate_log` logs while the block runs."""
+    """A list of the (source, earlier source) pairs :func:`install_block_trace` logs while the block runs."""
     found: list[tuple[Any, Any]] = []
     _DUPLICATES.append(found)
     try:
@@ -282,12 +274,9 @@ def rename_node(node: Any, name: str) -> None:
     node._rename(name)
 
 
-def tensor_name_is_set(vt: Any) -> bool:
-    """Whether a tensor tracker's node was named after a local variable (``TensorVariable._is_name_set``)."""
-    return bool(getattr(vt, "_is_name_set", False))
-
-
-def set_tensor_name_set(vt: Any) -> None:
-    """Mark a tensor tracker's node as named, so a later store does not rename it (``_is_name_set``)."""
-    if hasattr(vt, "_is_name_set"):
+def tensor_name_set(vt: Any, *, mark: bool = False) -> bool:
+    """Whether a tensor tracker's node was named after a local variable (``TensorVariable._is_name_set``: a
+    later store does not rename it); with ``mark``, mark it so first."""
+    if mark and hasattr(vt, "_is_name_set"):
         vt._is_name_set = True
+    return bool(getattr(vt, "_is_name_set", False))

@@ -80,14 +80,6 @@ def fake_mode_of(values: list[Any]) -> Any:
     return torch._guards.detect_fake_mode(values) or FakeTensorMode()
 
 
-def tensor_fake_mode(value: Any) -> Any:
-    """The fake mode a fake tensor (or a DTensor of one) belongs to (``FakeTensor.fake_mode``); None for others."""
-    mode = getattr(value, "fake_mode", None)
-    if mode is None:
-        mode = getattr(getattr(value, "_local_tensor", None), "fake_mode", None)
-    return mode
-
-
 def storage_of(value: Any) -> Any:
     """A hashable handle of the storage a tensor's data lives in (a DTensor's local tensor's), or None."""
     from torch.multiprocessing.reductions import StorageWeakRef

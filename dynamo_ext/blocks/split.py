@@ -57,7 +57,7 @@ from torch.fx.node import map_arg
 
 from .. import _compat, config
 from .._patching import Patcher
-from ..fx.nodes import container_item, is_invoke_subgraph, static_layout
+from ..fx.nodes import container_item, is_invoke_subgraph, static_layout, traced_outputs
 from ..fx.ops import op_signature, target_name
 from .split_backward import backward_partition, flat_backward_graph
 from .symbols import canonical_names, input_symbols, may_rename, size_key, symbol_facts
@@ -282,29 +282,6 @@ class _Compiled(torch.nn.Module):
         return out[0] if self.single_output else out
 
 
-def _traced_outputs(sub: torch.fx.GraphModule, fake_mode: Any) -> tuple[Any, ...] | None:
-    """A submodule's outputs as Dynamo traced them, made fake tensors of ``fake_mode``; None (then the submodule
-    is run on fake inputs) unless every output is a tensor of static sizes that is no view and shares its
-    storage with no other output and no input of the submodule.
-
-    NOTE [a submodule's outputs from the trace]: Dynamo computed its nodes' fake values by running the same ops
-    (eager's strides); running the submodule again costs, per block, as much as that.  Dynamo hands the
-    backend inputs of a fake mode of its own, so the outputs are converted (``from_tensor``), which keeps
-    metadata but not aliasing with tensors converted otherwise: hence only outputs that alias nothing.
-    """
-    output = next(n for n in reversed(sub.graph.nodes) if n.op == "output")
-    outs = [a.meta.get("example_value") if isinstance(a, torch.fx.Node) else a for a in output.args[0]]
-    ins = [p.meta.get("example_value") for p in sub.graph.find_nodes(op="placeholder")]
-    if not all(isinstance(v, torch.Tensor) and static_layout(v) and not v._is_view() for v in outs):
-        return None
-    storages = [_compat.storage_of(v) for v in outs]
-    if any(s is None for s in storages) or len(set(storages)) < len(storages):
-        return None
-    if set(storages) & {_compat.storage_of(v) for v in ins if isinstance(v, torch.Tensor)}:
-        return None
-    return tuple(_compat.refake(fake_mode, v) for v in outs)
-
-
 def _returns_tuple(sub: torch.fx.GraphModule) -> bool:
     """Make ``sub`` return a tuple (what AOTAutograd compiles); whether it returned a single value."""
     output = next(n for n in reversed(sub.graph.nodes) if n.op == "output")
@@ -324,7 +301,7 @@ def compile_blocks(
     """Split ``gm`` by ``partition`` and compile each submodule with ``compile_one``, once per structural key.
 
     Submodules are visited in order with fake values: each one's outputs are Dynamo's fake values of them, or
-    come from running it on its fake inputs (:func:`_traced_outputs`), before it is compiled (their strides are
+    come from running it on its fake inputs (``fx.nodes.traced_outputs``), before it is compiled (their strides are
     eager's; Inductor keeps a graph's output strides, ``keep_output_stride``), and each compile runs in its own copy of Dynamo's ``TracingContext``, so the
     forward metadata AOTAutograd leaves there is the one its lazily compiled backward reads.  Returns the
     split GraphModule, each ``call_module`` calling a compiled callable.
@@ -352,7 +329,7 @@ def compile_blocks(
                     args = [env[a] for a in n.args]
                     key = structural_key(sub, args) if config.reuse_block_compiles else None
                     single = _returns_tuple(sub)
-                    out = _traced_outputs(sub, fake_mode)
+                    out = traced_outputs(sub, fake_mode)
                     if out is None:
                         with _compat.allowing_non_fake_inputs(fake_mode):
                             out = sub(*args)

@@ -99,7 +99,7 @@ class Renaming:
 def block_sources(source: Any) -> list[Any]:
     """A block's source and the ones it wraps (Dynamo marks a module's source as one: ``NNModuleSource``)."""
     out = [source]
-    while _compat.is_module_source_wrapper(source):
+    while _compat.source_kind(source) == "module":
         source = source.base
         out.append(source)
     return out
@@ -169,7 +169,7 @@ def hook_key_map(old_block: torch.nn.Module, new_block: torch.nn.Module) -> dict
 
 
 def _hook_keyed(source: Any) -> bool:
-    while _compat.is_module_source_wrapper(source):
+    while _compat.source_kind(source) == "module":
         source = source.base
     member = getattr(source, "member", None)
     return member in _HOOK_DICTS or member in _GLOBAL_HOOK_DICTS
@@ -281,7 +281,7 @@ def plan(guards: list[Any], old: list[Any], old_name: str, resolve: Callable[[An
             key = ("class", cls)
             if key not in seen:
                 seen.add(key)
-                plans.append(GuardPlan(guard, _CLASS, True, id(resolve(cls))))
+                plans.append(GuardPlan(guard, _CLASS, True, id(_read(resolve, cls))))
             continue
         rooted = source is not None and _rooted(source, old)
         hook_key = "key" in keywords and _hook_keyed(source)
@@ -306,13 +306,24 @@ def plan(guards: list[Any], old: list[Any], old_name: str, resolve: Callable[[An
         unknown = set(keywords) - {"key", "attr", "source_b", "value"}
         if unknown:
             raise StampError(f"its {kind} guard has arguments {sorted(unknown)}, not carried over")
-        if kind == "DUPLICATE_INPUT":
-            recorded = resolve(source) is resolve(dupe)
-        else:
-            value = resolve(source)
-            recorded = spec.extract(value) if spec is not None else _SAME[kind](value, keywords)
+        try:
+            if kind == "DUPLICATE_INPUT":
+                recorded = resolve(source) is resolve(dupe)
+            else:
+                value = resolve(source)
+                recorded = spec.extract(value) if spec is not None else _SAME[kind](value, keywords)
+        except Exception as e:  # a value read in a way Dynamo's guard reads it and we do not
+            raise StampError(f"its {kind} guard on {_compat.source_name(source)} cannot be read ({e!r})") from None
         plans.append(GuardPlan(guard, kind, rooted, recorded))
     return plans
+
+
+def _read(resolve: Callable[[Any], Any], source: Any) -> Any:
+    """``resolve(source)``; :class:`StampError` where the source cannot be read (a path one block lacks)."""
+    try:
+        return resolve(source)
+    except Exception as e:
+        raise StampError(f"{_compat.source_name(source)} cannot be read ({type(e).__name__}: {e})") from None
 
 
 _CLASS = "class of a looked-up attribute"
@@ -322,9 +333,9 @@ def _class_of(source: Any) -> Any:
     """The ``TypeSource`` a source reads a class attribute through (``type(x).__mro__[i].__dict__[name]``)."""
     s, through_class = source, False
     while s is not None:
-        if _compat.is_class_dict_source(s):
+        if _compat.source_kind(s) == "class dict":
             through_class = True
-        elif through_class and _compat.is_type_source(s):
+        elif through_class and _compat.source_kind(s) == "type":
             return s
         s = getattr(s, "base", None)
     return None
@@ -355,7 +366,7 @@ def carry(
         guard = p.guard
         if p.kind == _CLASS:
             cls = _class_of(guard.originating_source)
-            if id(resolve(renaming.source(cls))) != p.recorded:
+            if id(_read(resolve, renaming.source(cls))) != p.recorded:
                 raise StampError(
                     f"{_compat.source_name(renaming.source(cls))} is another class than the recorded block's"
                 )
@@ -376,7 +387,7 @@ def carry(
                 spec = _spec_of(guard)
                 if spec is not None:
                     now = spec.extract(value)
-                elif p.kind == "DICT_KEYS_MATCH":
+                elif p.kind == "DICT_KEYS_MATCH" and _hook_keyed(guard.originating_source):
                     now = _keys(value)
                     recorded = p.recorded
                     if recorded[0] is not now[0] or [renaming.hook_keys.get(k, k) for k in recorded[1]] != now[1]:
@@ -384,11 +395,12 @@ def carry(
                     now = p.recorded
                 else:
                     now = _SAME[p.kind](value, keywords)
+            same = bool(now == p.recorded)
         except StampError:
             raise
-        except Exception as e:  # a source block i does not have
+        except Exception as e:  # a source block i does not have, a value that does not compare
             raise StampError(f"{_compat.source_name(source)} cannot be read ({type(e).__name__}: {e})") from None
-        if now != p.recorded:
+        if not same:
             raise StampError(f"guard {p.kind} on {_compat.source_name(source)} differs from the recorded block's")
         if p.kind in _INSTALLED_WITH_INPUTS:
             continue

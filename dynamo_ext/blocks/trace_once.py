@@ -56,6 +56,8 @@ from .trace_guards import StampError
 from .trace_record import Recording, call_key, log, record, site
 from .trace_stamp import stamp
 
+_RECORDING_TRIES = 3
+_refusals: weakref.WeakKeyDictionary[torch.fx.Graph, dict[tuple[Any, ...], int]] = weakref.WeakKeyDictionary()
 # Per frame trace: keyed by the root graph Dynamo is building.  A key's value is None once refused.
 _recordings: weakref.WeakKeyDictionary[torch.fx.Graph, dict[tuple[Any, ...], Recording | None]] = (
     weakref.WeakKeyDictionary()
@@ -108,8 +110,13 @@ def call(tx: Any, module_vt: Any, args: list[Any], kwargs: dict[str, Any], trace
         except StampError as why:
             log.debug("%s traced, the recording of %s not used: %s", _compat.source_name(source), recording.path, why)
             return trace()
+    refused = _refusals.setdefault(output.root_tracer.graph, {})
     if key in recordings:
-        return trace()
+        # Refused for something of that block's own (a pending mutation): the next one may record.  A few tries,
+        # then every such call is traced without the cost of recording.
+        refused[key] = refused.get(key, 0) + 1
+        if refused[key] >= _RECORDING_TRIES:
+            return trace()
     return record(tx, module_vt, source, leaves, trace, recordings, key)
 
 
@@ -118,6 +125,4 @@ def install(patches: Patcher) -> None:
     if not _compat.block_trace_supported():
         log.info("blocks traced once: not on this torch release (a Dynamo API it needs is missing)")
         return
-    _compat.install_module_call_hook(patches, call)
-    _compat.install_mutation_log(patches)
-    _compat.install_duplicate_log(patches)
+    _compat.install_block_trace(patches, call)

@@ -42,6 +42,7 @@ class Recording:
     key_order: tuple[Any, ...]
     mutated: tuple[Any, ...]
     calls: dict[str, int]
+    effects_start: int  # the frame's mutation log when the call began
     effects_end: int
 
 
@@ -51,7 +52,7 @@ def call_key(args: list[Any], kwargs: dict[str, Any]) -> tuple[Any, list[Any]]:
     leaves: list[Any] = []
 
     def key(vt: Any) -> Any:
-        if _compat.is_sequence_variable(vt):
+        if _compat.variable_kind(vt) == "sequence":
             return ("sequence", vt.python_type(), tuple(key(v.realize()) for v in vt.items))
         leaves.append(vt)
         return arg_key(vt)
@@ -63,7 +64,7 @@ def call_key(args: list[Any], kwargs: dict[str, Any]) -> tuple[Any, list[Any]]:
 
 def arg_key(vt: Any) -> Any:
     """What the trace of a block call depends on in one argument; raises :class:`StampError`."""
-    if _compat.is_constant_variable(vt):
+    if _compat.variable_kind(vt) == "constant":
         value = vt.as_python_constant()
         try:
             hash(value)
@@ -72,7 +73,7 @@ def arg_key(vt: Any) -> Any:
         return ("constant", type(value), value)
     node = node_of(vt)
     value = node.meta.get("example_value") if node is not None else None
-    if type(vt) is not _compat.tensor_variable_class() or not isinstance(value, torch.Tensor):
+    if _compat.variable_kind(vt) != "tensor" or not isinstance(value, torch.Tensor):
         raise StampError(f"an argument is a {type(vt).__name__}")
     # Whether an activation is a view does not change the nodes Dynamo adds for ops on it (their fake values,
     # computed afresh, do): not in the key, so the first block's input (an embedding's view) matches the rest.
@@ -138,7 +139,7 @@ def record(tx: Any, module_vt: Any, source: Any, args: list[Any], trace: Any, re
         )
         nodes = tuple(n for n in new if n.op != "placeholder")
         result_node = node_of(result)
-        if type(result) is not _compat.tensor_variable_class() or result_node is None or result_node not in set(nodes):
+        if _compat.variable_kind(result) != "tensor" or result_node is None or result_node not in set(nodes):
             raise StampError(f"its result is a {type(result).__name__}, not a tensor it made")
         arg_nodes = tuple(node_of(a) for a in args)
         allowed = set(new) | {n for n in arg_nodes if n is not None}
@@ -163,6 +164,7 @@ def record(tx: Any, module_vt: Any, source: Any, args: list[Any], trace: Any, re
             raise StampError("it changed global state (grad mode, autocast, torch function modes)")
         check_effects(tx, effects[effects_start:])
         if any(trace_guards.mentions(source_name_of(v), name) for v in effects[:effects_start]):
+            # its trace read the pending values, which no guard checks: another block would not have them
             raise StampError("the block had pending mutations when it was called")
         resolve = resolver(tx)
         dupes = [(a, b) for a, b in dupes if trace_guards.mentions(_compat.source_name(a), name)]
@@ -197,10 +199,11 @@ def record(tx: Any, module_vt: Any, source: Any, args: list[Any], trace: Any, re
         dupes=tuple(dupes),
         tracked=tuple(tracked),
         external=frozenset(external),
-        named=_compat.tensor_name_is_set(result),
+        named=_compat.tensor_name_set(result),
         key_order=tuple(s for s in set(output.guard_on_key_order) - key_order_before),
         mutated=tuple(s for s in set(_compat.mutated_sources(output.side_effects)) - mutated_before),
         calls={k: v - calls_before.get(k, 0) for k, v in tx.num_calls.items() if v != calls_before.get(k, 0)},
+        effects_start=effects_start,
         effects_end=len(effects),
     )
     log.debug("%s traced and recorded for the identical blocks called after it (%d nodes)", name, len(nodes))
@@ -220,6 +223,19 @@ def _input_source(node: torch.fx.Node) -> Any:
     if not isinstance(value, torch.Tensor) and getattr(value, "real_obj", None) is None:
         raise StampError(f"it lifted {type(value).__name__} graph input {node.name} (a symbolic value)")
     return source
+
+
+def mutated_objects(mutated: list[Any], resolve: Any) -> set[int]:
+    """The ids of the objects the trackers in ``mutated`` (a slice of the frame's mutation log) track."""
+    out = set()
+    for vt in mutated:
+        source = getattr(vt, "source", None)
+        try:
+            if source is not None:
+                out.add(id(resolve(source)))
+        except Exception:  # a tracker whose source no longer resolves: no object of a block
+            continue
+    return out
 
 
 def source_name_of(vt: Any) -> str:
@@ -245,7 +261,7 @@ def check_effects(tx: Any, mutated: list[Any]) -> None:
 
 
 def _same_object(tx: Any, vt: Any, live: Any, resolve: Any) -> bool:
-    if _compat.is_constant_variable(vt):
+    if _compat.variable_kind(vt) == "constant":
         value = vt.as_python_constant()
         return type(value) is type(live) and value == live
     source = getattr(vt, "source", None)

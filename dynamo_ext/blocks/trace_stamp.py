@@ -14,7 +14,17 @@ from torch.fx.node import map_arg
 from .. import _compat
 from . import trace_guards
 from .trace_guards import Renaming, StampError
-from .trace_record import REDUNDANT, Recording, check_effects, log, node_of, resolver, source_name_of, value_meta
+from .trace_record import (
+    REDUNDANT,
+    Recording,
+    check_effects,
+    log,
+    mutated_objects,
+    node_of,
+    resolver,
+    source_name_of,
+    value_meta,
+)
 
 
 def stamp(tx: Any, rec: Recording, module_vt: Any, source: Any, args: list[Any]) -> Any:
@@ -54,7 +64,7 @@ def stamp(tx: Any, rec: Recording, module_vt: Any, source: Any, args: list[Any])
         _compat.install_guard_quietly(output, guard)
     for s in rec.key_order:
         output.guard_on_key_order.add(paths(renaming.source(s)))
-    _compat.add_mutated_sources(output.side_effects, [paths(renaming.source(s)) for s in rec.mutated])
+    _compat.mutated_sources(output.side_effects, [paths(renaming.source(s)) for s in rec.mutated])
     for k, v in calls.items():
         tx.num_calls[k] = tx.num_calls.get(k, 0) + v
     for guard_source, on_source in _remembered(guards):
@@ -65,7 +75,7 @@ def stamp(tx: Any, rec: Recording, module_vt: Any, source: Any, args: list[Any])
     tracer = output.current_tracer
     vt = _compat.wrap_fx_proxy(tx, torch.fx.Proxy(result, tracer), example_value=result.meta.pop("example_value"))
     if rec.named:
-        _compat.set_tensor_name_set(vt)
+        _compat.tensor_name_set(vt, mark=True)
     return vt
 
 
@@ -73,9 +83,21 @@ def _check_state(tx: Any, rec: Recording, renaming: Renaming, resolve: Any) -> N
     """Refuse when block ``i`` has pending mutations, when an object outside the container's blocks was mutated
     since the recording, or when an object the recorded block met twice is two objects in block ``i``."""
     effects = _compat.mutation_log(tx.output)
-    for vt in effects:
-        if trace_guards.mentions(source_name_of(vt), renaming.new_name):
-            raise StampError("the block has pending mutations")
+    if any(trace_guards.mentions(source_name_of(vt), renaming.new_name) for vt in effects):
+        raise StampError("the block has pending mutations")
+    # Objects mutated before the recorded call (while it ran, or since: restored, checked there and below).  One
+    # both blocks reach as the same object (FSDP2's shared state context) reads the same for both; one of the
+    # recorded block's own, or of this block's, would read otherwise than in the recording.
+    before = mutated_objects(effects[: rec.effects_start], resolve)
+    for t in rec.tracked:
+        try:
+            old, new = resolve(t), resolve(renaming.source(t))
+        except Exception:
+            continue
+        if new is not old and (id(old) in before or id(new) in before):
+            raise StampError(
+                f"{_compat.source_name(renaming.source(t))} or its recorded counterpart has a pending mutation"
+            )
     container = _compat.source_name(_compat.container_item_base(renaming.new))
     for vt in effects[rec.effects_end :]:
         if getattr(vt, "source", None) is not None and not trace_guards.mentions(source_name_of(vt), container):
@@ -196,7 +218,7 @@ class _TrackedPaths:
         return None
 
     def _tracked_source(self, step: Any) -> Any:
-        if _compat.is_module_source_wrapper(step):
+        if _compat.source_kind(step) == "module":
             return None
         try:
             obj = self._resolve(step)

@@ -88,3 +88,26 @@ def tensor_bytes(value: Any) -> int:
     if isinstance(value, (list, tuple)):
         return sum(tensor_bytes(v) for v in value)
     return 0
+
+
+def traced_outputs(sub: torch.fx.GraphModule, fake_mode: Any) -> tuple[Any, ...] | None:
+    """The outputs of a graph cut from a Dynamo graph (a block split's submodule), as Dynamo traced them, made
+    fake tensors of ``fake_mode`` (the backend's); None (then run it on fake inputs) unless each is a tensor of
+    static sizes that is no view and shares its storage with no other output and no input of the graph.
+
+    NOTE [a submodule's outputs from the trace]: Dynamo computed its nodes' fake values by running the same
+    ops (eager's strides); running the submodule again costs, per block, as much as that.  Dynamo hands the
+    backend inputs of a fake mode of its own, so the outputs are converted (``from_tensor``), which keeps
+    metadata but not aliasing with tensors converted otherwise: hence only outputs that alias nothing.
+    """
+    output = next(n for n in reversed(sub.graph.nodes) if n.op == "output")
+    outs = [a.meta.get("example_value") if isinstance(a, torch.fx.Node) else a for a in output.args[0]]
+    ins = [p.meta.get("example_value") for p in sub.graph.find_nodes(op="placeholder")]
+    if not all(isinstance(v, torch.Tensor) and static_layout(v) and not v._is_view() for v in outs):
+        return None
+    storages = [_compat.storage_of(v) for v in outs]
+    if any(s is None for s in storages) or len(set(storages)) < len(storages):
+        return None
+    if set(storages) & {_compat.storage_of(v) for v in ins if isinstance(v, torch.Tensor)}:
+        return None
+    return tuple(_compat.refake(fake_mode, v) for v in outs)

@@ -267,8 +267,11 @@ def config_record(state: Any) -> tuple[Any, ...]:
     policy = getattr(state, "_mp_policy", None)
     groups = []
     for group in _compat.fsdp_param_groups(state):
+        # The traced gathers and reductions name the shard group in the graph (``reduce.plan``, read at trace time).
+        shard_group = getattr(getattr(group, "mesh_info", None), "shard_process_group", None)
         groups.append(
             (
+                None if shard_group is None else (shard_group.group_name, shard_group.size()),
                 len(group.fsdp_params),
                 getattr(group, "gradient_divide_factor", None),
                 getattr(group, "force_sum_reduction_for_comms", False),
