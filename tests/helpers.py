@@ -77,6 +77,41 @@ class CountingBackend:
         return len(self.graphs)
 
 
+class AotGraphs:
+    """A backend keeping Dynamo's graphs and the code of AOTAutograd's forward and backward graphs, with each
+    AOT node's module paths and stack trace (which block it is in and the user line it came from: the audit
+    reports them).
+
+    Partitioned as ``aot_eager`` and ``inductor`` do (min-cut, honouring the checkpoint's recompute tags), so
+    what the forward saves for backward is part of the code compared.
+    """
+
+    def __init__(self) -> None:
+        self.dynamo: list[torch.fx.GraphModule] = []
+        self.codes: list[str] = []
+        self.contexts: list[list[tuple[str, list[str], str | None]]] = []
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
+        from torch._functorch.aot_autograd import aot_module_simplified
+        from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+        self.dynamo.append(gm)
+
+        def keep(g: torch.fx.GraphModule, _inputs: Any) -> Any:
+            self.codes.append(g.code)
+            self.contexts.append([(n.name, module_paths(n), n.meta.get("stack_trace")) for n in g.graph.nodes])
+            return g
+
+        return aot_module_simplified(
+            gm, example_inputs, fw_compiler=keep, bw_compiler=keep, partition_fn=min_cut_rematerialization_partition
+        )
+
+
+def module_paths(node: torch.fx.Node) -> list[str]:
+    """The module paths of a node's ``nn_module_stack``, outermost first."""
+    return [path for path, _cls in (node.meta.get("nn_module_stack") or {}).values()]
+
+
 def all_gathers(graphs: list[torch.fx.GraphModule]) -> int:
     """How many all-gathers running ``graphs`` issues: a higher-order op's body (activation checkpoint,
     ``autograd.Function``) counts once per call of it (``fx.collectives.iter_collectives``)."""

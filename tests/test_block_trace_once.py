@@ -16,43 +16,16 @@ from typing import Any
 import pytest
 import torch
 from fsdp_training import batch, build
+from helpers import AotGraphs, module_paths
 from torch import nn
-from torch._functorch.aot_autograd import aot_module_simplified
-from torch._functorch.partitioners import min_cut_rematerialization_partition
 
 import dynamo_ext
 from dynamo_ext.blocks import trace_guards, trace_once
 
 
-class _Graphs:
-    """A backend keeping Dynamo's graphs and AOTAutograd's forward and backward graphs (min-cut partitioned,
-    as ``aot_eager`` and ``inductor`` partition), with each AOT node's module paths and stack trace."""
-
-    def __init__(self) -> None:
-        self.dynamo: list[torch.fx.GraphModule] = []
-        self.aot: list[str] = []
-        self.contexts: list[list[tuple[str, list[str], str | None]]] = []
-
-    def __call__(self, gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
-        self.dynamo.append(gm)
-
-        def keep(g: torch.fx.GraphModule, _inputs: Any) -> Any:
-            self.aot.append(g.code)
-            self.contexts.append([(n.name, _paths(n), n.meta.get("stack_trace")) for n in g.graph.nodes])
-            return g
-
-        return aot_module_simplified(
-            gm, example_inputs, fw_compiler=keep, bw_compiler=keep, partition_fn=min_cut_rematerialization_partition
-        )
-
-
-def _paths(node: torch.fx.Node) -> list[str]:
-    return [path for path, _cls in (node.meta.get("nn_module_stack") or {}).values()]
-
-
-def _step(model: nn.Module, x: torch.Tensor, *, once: bool) -> _Graphs:
+def _step(model: nn.Module, x: torch.Tensor, *, once: bool) -> AotGraphs:
     torch._dynamo.reset()
-    graphs = _Graphs()
+    graphs = AotGraphs()
     with dynamo_ext.config.patch(trace_blocks_once=once, compile_blocks_once=False):
         out = torch.compile(model, backend=graphs, fullgraph=True)(x)
         out.float().sum().backward()
@@ -70,7 +43,7 @@ def _node_facts(gm: torch.fx.GraphModule) -> list[tuple[Any, ...]]:
     for n in gm.graph.nodes:
         v = n.meta.get("example_value")
         value = (type(v), tuple(v.shape), v.stride(), v.dtype, v.requires_grad) if isinstance(v, torch.Tensor) else None
-        facts.append((_paths(n), value))
+        facts.append((module_paths(n), value))
     return facts
 
 
@@ -87,7 +60,7 @@ def _assert_same_as_traced(model: nn.Module, x: torch.Tensor, caplog: Any) -> li
     assert len(traced.dynamo) == len(stamped.dynamo) == 1
     assert _by_position(stamped.dynamo[0]) == _by_position(traced.dynamo[0])
     assert _node_facts(stamped.dynamo[0]) == _node_facts(traced.dynamo[0])
-    assert stamped.aot == traced.aot  # AOTAutograd's forward and backward, node for node
+    assert stamped.codes == traced.codes  # AOTAutograd's forward and backward, node for node
     assert stamped.contexts == traced.contexts  # with each node's block and user stack
     return [r.getMessage() for r in caplog.records if r.name == trace_once.__name__]
 

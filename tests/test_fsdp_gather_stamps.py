@@ -13,43 +13,19 @@ from typing import Any
 import pytest
 import torch
 from fsdp_training import batch, build
-from torch._functorch.aot_autograd import aot_module_simplified
-from torch._functorch.partitioners import min_cut_rematerialization_partition
+from helpers import AotGraphs
 
 import dynamo_ext
 from dynamo_ext.variables.fsdp import gather_stamps
 
 
-class _AotCodes:
-    """A backend keeping Dynamo's graph and the code of AOTAutograd's forward and backward graphs.
-
-    Partitioned as ``aot_eager`` and ``inductor`` do (min-cut, honouring the checkpoint's recompute tags),
-    so what the forward saves for backward is part of the code compared.
-    """
+class _AotCodes(AotGraphs):
+    """The AOT graphs, and how many gather calls were stamped, in which modules."""
 
     def __init__(self) -> None:
-        self.dynamo: list[torch.fx.GraphModule] = []
-        self.codes: list[str] = []
-        self.contexts: list[list[tuple[str, list[str], str | None]]] = []
+        super().__init__()
         self.stamps = 0
         self.stamped_in: set[str] = set()  # module paths of the stamped calls
-
-    def __call__(self, gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
-        self.dynamo.append(gm)
-
-        def keep(g: torch.fx.GraphModule, _inputs: Any) -> Any:
-            self.codes.append(g.code)
-            # which block each node is in, and the user stack it came from (the audit reports them)
-            self.contexts.append([(n.name, _modules(n), n.meta.get("stack_trace")) for n in g.graph.nodes])
-            return g
-
-        return aot_module_simplified(
-            gm, example_inputs, fw_compiler=keep, bw_compiler=keep, partition_fn=min_cut_rematerialization_partition
-        )
-
-
-def _modules(node: torch.fx.Node) -> list[str]:
-    return [path for path, _cls in (node.meta.get("nn_module_stack") or {}).values()]
 
 
 def _step(model: torch.nn.Module, inputs: Any, *, stamped: bool, monkeypatch: pytest.MonkeyPatch) -> _AotCodes:
