@@ -36,10 +36,10 @@ the nodes that item's call added, with block ``i``'s parameters as inputs:
   or from another line, symbolic shapes, a call that mutates state it does
   not restore, registers tensor hooks, or changes global state.
 
-Which blocks are stamped depends only on what the ranks' traces agree on
-(the same checks on the same model), and a stamped block's graph is the
-graph tracing gives, so the collectives, the block split, the bucketing pass
-and the collective check see what they see without stamping.
+Which blocks are stamped may differ between ranks (an uneven shard gives one
+rank's block another signature), but a stamped block's graph is the graph
+tracing gives, so every rank's collectives, block split, bucketing pass and
+collective check are what they are without stamping.
 Switch: ``dynamo_ext.config.trace_blocks_once`` (``DYNAMO_EXT_TRACE_BLOCKS_ONCE=0``).
 """
 
@@ -64,8 +64,9 @@ _recordings: weakref.WeakKeyDictionary[torch.fx.Graph, dict[tuple[Any, ...], Rec
 )
 
 
-def _container_item(tx: Any, module_vt: Any) -> tuple[Any, Any] | None:
-    """(the block's source, its container) when ``module_vt`` is an item of a module container."""
+def _container_item(tx: Any, module_vt: Any) -> Any:
+    """The block's source when ``module_vt`` is an item of a module container (``ModuleList``, ``ModuleDict``,
+    ``Sequential``); else None."""
     source = getattr(module_vt, "source", None)
     if source is None:
         return None
@@ -78,7 +79,7 @@ def _container_item(tx: Any, module_vt: Any) -> tuple[Any, Any] | None:
         return None
     if not isinstance(container, (torch.nn.ModuleList, torch.nn.ModuleDict, torch.nn.Sequential)):
         return None
-    return source, container
+    return source
 
 
 def call(tx: Any, module_vt: Any, args: list[Any], kwargs: dict[str, Any], trace: Any) -> Any:
@@ -89,10 +90,9 @@ def call(tx: Any, module_vt: Any, args: list[Any], kwargs: dict[str, Any], trace
     # Graph deduplication (block reuse, NOTE [block reuse]) finds its regions by the instruction that made each
     # node: a stamped node has none of its own, so under it every block is traced.
     stamping = config.trace_blocks_once and not _compat.tracks_nodes_for_deduplication()
-    found = _container_item(tx, module_vt) if stamping else None
-    if found is None or _compat.inside_higher_order_op(tx):
+    source = _container_item(tx, module_vt) if stamping else None
+    if source is None or _compat.inside_higher_order_op(tx):
         return trace()
-    source, _container = found
     module = module_vt.value
     try:
         # The call reads its arguments anyway: realizing them here adds no guard the trace would not.
