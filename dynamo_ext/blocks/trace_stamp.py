@@ -143,11 +143,7 @@ def _copy_nodes(tx: Any, rec: Recording, moved: Any, nodes: dict) -> None:
         for old in rec.nodes:
             target = old.target
             if old.op == "get_attr":
-                body = copy.deepcopy(output.nn_modules[old.target])
-                for gm in body.modules():
-                    for n in gm.graph.nodes if isinstance(gm, torch.fx.GraphModule) else ():
-                        if n.meta.get("nn_module_stack") is not None:
-                            n.meta["nn_module_stack"] = moved(n.meta["nn_module_stack"])
+                body = _copied_body(output.nn_modules[old.target], moved)
                 target = output.install_subgraph(str(old.target).rstrip("0123456789").rstrip("_"), body)
             args, kwargs = map_arg((old.args, old.kwargs), lambda n: nodes[n])
             new = tracer.create_node(old.op, target, args, kwargs)
@@ -162,6 +158,50 @@ def _copy_nodes(tx: Any, rec: Recording, moved: Any, nodes: dict) -> None:
         for n in reversed(made):
             tracer.graph.erase_node(n)
         raise StampError(f"copying its nodes failed ({type(e).__name__}: {e})") from None
+
+
+def _copied_body(body: torch.nn.Module, moved: Any) -> torch.nn.Module:
+    """A copy of a higher-order op's body (a ``GraphModule``, with the bodies it calls) with its nodes' module
+    stacks moved to block ``i``.
+
+    NOTE: the copy shares the recorded body's fake values (node metadata is copied shallowly) and generates its
+    Python code only when called (``_compat.lazy_graph_module``): the block split never calls a stamped block's
+    body, and a ``deepcopy`` would copy every fake value and generate the code at once. A body reading anything
+    but nested bodies (a parameter, a module) is deep-copied whole.
+    """
+    lazy = _lazy_copy(body, moved)
+    if lazy is not None:
+        return lazy
+    body = copy.deepcopy(body)
+    for gm in body.modules():
+        for n in gm.graph.nodes if isinstance(gm, torch.fx.GraphModule) else ():
+            _move_stack(n, moved)
+    return body
+
+
+def _lazy_copy(body: Any, moved: Any) -> Any:
+    if type(body).forward is torch.nn.Module.forward or not isinstance(body, torch.fx.GraphModule):
+        return None
+    nested = {}
+    for n in body.graph.nodes:
+        if n.op == "call_module":
+            return None
+        if n.op == "get_attr":
+            sub = _lazy_copy(getattr(body, str(n.target), None), moved)
+            if sub is None:
+                return None
+            nested[str(n.target)] = sub
+    graph = copy.deepcopy(body.graph)
+    for n in graph.nodes:
+        _move_stack(n, moved)
+    out = _compat.lazy_graph_module(nested or body, graph)
+    out.meta = dict(getattr(body, "meta", {}))
+    return out
+
+
+def _move_stack(node: torch.fx.Node, moved: Any) -> None:
+    if node.meta.get("nn_module_stack") is not None:
+        node.meta["nn_module_stack"] = moved(node.meta["nn_module_stack"])
 
 
 def _name_base(name: str) -> str:
