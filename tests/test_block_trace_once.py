@@ -20,6 +20,7 @@ from helpers import AotGraphs, module_paths
 from torch import nn
 
 import dynamo_ext
+import dynamo_ext._compat as compat
 from dynamo_ext.blocks import trace_guards, trace_once
 
 
@@ -39,10 +40,20 @@ def _by_position(gm: torch.fx.GraphModule) -> str:
 
 
 def _node_facts(gm: torch.fx.GraphModule) -> list[tuple[Any, ...]]:
+    """Each node's blocks and fake value: metadata, the graph input whose storage it shares, if any, and for a
+    value read outside the block that made it (a block's result, an argument it mutates) its version."""
+    inputs: dict[Any, int] = {}
     facts = []
-    for n in gm.graph.nodes:
+    for i, n in enumerate(gm.graph.nodes):
         v = n.meta.get("example_value")
-        value = (type(v), tuple(v.shape), v.stride(), v.dtype, v.requires_grad) if isinstance(v, torch.Tensor) else None
+        value = None
+        if isinstance(v, torch.Tensor):
+            storage = compat.storage_of(v)
+            if n.op == "placeholder":
+                inputs.setdefault(storage, i)
+            crossing = any(module_paths(u)[:1] != module_paths(n)[:1] for u in n.users)
+            meta = (type(v), tuple(v.shape), v.stride(), v.dtype, v.requires_grad)
+            value = (*meta, inputs.get(storage), v._version if crossing else None)
         facts.append((module_paths(n), value))
     return facts
 
@@ -203,6 +214,33 @@ def test_a_block_with_another_constant_is_traced(world, caplog):
     lines = _eager_and_compiled(_Stack(blocks), torch.randn(3, 8), caplog)
     assert any("['2'] traced, the recording of" in line and ".scale" in line for line in lines), lines
     assert [line.split(" ")[0] for line in _stamped(lines)] == ["L['self'].layers.3"], lines
+
+
+class _InPlaceBlock(_Block):
+    """A block mutating its argument in place and returning a view of an activation it made."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x.mul_(0.5)
+        h = self.up(x)
+        h[:, :2] = 0.0  # in place on an activation of its own
+        return (x + self.down(torch.relu(h))).t().t()
+
+
+class _InPlaceStack(_Stack):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x * 1.0)  # the caller's tensor is not mutated
+
+
+def test_blocks_mutating_their_argument_are_stamped_as_traced(world, caplog):
+    # a stamp reuses the recorded fake values of what a block makes and dies in it, and runs again what shares
+    # storage with its argument or its result (NOTE [fake values a stamp reuses])
+    torch.manual_seed(0)
+    model = _InPlaceStack([_InPlaceBlock(8) for _ in range(4)])
+    lines = _eager_and_compiled(model, torch.randn(3, 8), caplog)
+    assert len(_stamped(lines)) == 2, lines
+    caplog.clear()
+    lines = _assert_same_as_traced(model, torch.randn(3, 8), caplog)
+    assert len(_stamped(lines)) == 2, lines
 
 
 class _CountingBlock(_Block):

@@ -44,6 +44,7 @@ class Recording:
     calls: dict[str, int]
     effects_start: int  # the frame's mutation log when the call began
     effects_end: int
+    reused: frozenset[torch.fx.Node]  # nodes whose fake values a stamp reuses (:func:`reused_fake_values`)
 
 
 def call_key(args: list[Any], kwargs: dict[str, Any]) -> tuple[Any, list[Any]]:
@@ -205,9 +206,53 @@ def record(tx: Any, module_vt: Any, source: Any, args: list[Any], trace: Any, re
         calls={k: v - calls_before.get(k, 0) for k, v in tx.num_calls.items() if v != calls_before.get(k, 0)},
         effects_start=effects_start,
         effects_end=len(effects),
+        reused=reused_fake_values(nodes, result_node, [n for n in arg_nodes if n is not None], external, inputs),
     )
     log.debug("%s traced and recorded for the identical blocks called after it (%d nodes)", name, len(nodes))
     return result
+
+
+def reused_fake_values(
+    nodes: tuple[torch.fx.Node, ...], result: torch.fx.Node, args: list[torch.fx.Node], external: Any, inputs: Any
+) -> frozenset[torch.fx.Node]:
+    """The recorded nodes whose fake values a stamp gives its copies as they are, without running the op again.
+
+    NOTE [fake values a stamp reuses]: a copy's fake value must be a fresh tensor where anything after the
+    stamp can tell it apart: the result (the caller traces on with it), and every value sharing storage with
+    the block's inputs (its argument, parameters, graph inputs: a view of them, or an op mutating them in place,
+    changes their fake values' metadata and version, which Dynamo reads). A node whose recorded value is a
+    tensor (or a tuple or list of tensors) whose storage is none of the block's inputs' and not the result's
+    is made by the block and dies in it: its copy's value would differ from the recorded one only in identity,
+    so the recorded fake tensor is reused, which skips its fake propagation (most of a stamp's time otherwise:
+    DTensor ops and activation-checkpoint bodies under the fake mode). Nodes whose values are anything else
+    (``None`` from an op mutating an argument, sizes) run again.  AOTAutograd and Inductor trace their own
+    fake values from the graph inputs, so the reused ones reach no compiled code.
+    """
+    outside = {
+        _compat.storage_of(t)
+        for n in (*args, *external, *(p for p, _, _ in inputs))
+        for t in _tensors(n.meta.get("example_value")) or ()
+    }
+    own = _tensors(result.meta.get("example_value")) or ()
+    outside |= {_compat.storage_of(t) for t in own}
+    reused = []
+    for n in nodes:
+        tensors = _tensors(n.meta.get("example_value"))
+        if n is result or not tensors:
+            continue
+        storages = [_compat.storage_of(t) for t in tensors]
+        if all(s is not None and s not in outside for s in storages):
+            reused.append(n)
+    return frozenset(reused)
+
+
+def _tensors(value: Any) -> list[Any] | None:
+    """The tensors ``value`` is (a tensor, or a tuple or list of tensors only), or None."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)) and value and all(isinstance(v, torch.Tensor) for v in value):
+        return list(value)
+    return None
 
 
 _AUTOGRAD_CALLS = (torch.autograd.grad, torch.autograd.backward)

@@ -134,7 +134,8 @@ def _lift_inputs(
 
 
 def _copy_nodes(tx: Any, rec: Recording, moved: Any, nodes: dict) -> None:
-    """Copies of the recorded nodes reading ``nodes``' values, with fresh fake values; on any failure the
+    """Copies of the recorded nodes reading ``nodes``' values, with fake values fresh where anything can tell
+    (NOTE [fake values a stamp reuses] in ``trace_record.py``); on any failure the
     copies are erased again and :class:`StampError` raised."""
     output = tx.output
     tracer = output.current_tracer
@@ -152,7 +153,9 @@ def _copy_nodes(tx: Any, rec: Recording, moved: Any, nodes: dict) -> None:
                 _compat.rename_node(new, _name_base(old.name))
             nodes[old] = new
             _copy_meta(old, new, moved)
-            if old.op != "get_attr":
+            if old in rec.reused:  # NOTE [fake values a stamp reuses] in trace_record.py
+                new.meta["example_value"] = old.meta["example_value"]
+            elif old.op != "get_attr":
                 new.meta["example_value"] = _compat.get_fake_value(new, tx)
     except Exception as e:
         for n in reversed(made):
