@@ -169,9 +169,9 @@ def invoke_subgraph_op() -> Any:
 
 
 def lazy_graph_module(root: torch.nn.Module | dict[str, Any], graph: torch.fx.Graph) -> torch.fx.GraphModule:
-    """A ``GraphModule`` of ``graph`` (attributes read from ``root``, a module or a dict by name) whose Python code is generated when first
-    needed (``torch.fx._lazy_graph_module._LazyGraphModule``, as Dynamo makes its output graph), a plain
-    ``GraphModule`` where this release lacks the lazy class."""
+    """A ``GraphModule`` of ``graph`` (attributes read from ``root``, a module or a dict by name) whose Python
+    code is generated when first needed (``torch.fx._lazy_graph_module._LazyGraphModule``, as Dynamo makes its
+    output graph), a plain ``GraphModule`` where this release lacks the lazy class."""
     lazy = getattr(importlib.import_module("torch.fx._lazy_graph_module"), "_LazyGraphModule", None)
     return (lazy or torch.fx.GraphModule)(root, graph)
 

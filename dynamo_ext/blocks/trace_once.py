@@ -27,8 +27,8 @@ the nodes that item's call added, with block ``i``'s parameters as inputs:
   (their guards and fake tensors made as tracing makes them), the recorded
   nodes are copied with their module stacks moved to block ``i`` and fake
   values fresh where anything after the call can tell (NOTE [fake values a
-  stamp reuses] in ``trace_record.py``), the renamed guards are installed, and the call returns a
-  tracker of the copied result.  The graph, its module stacks and stack
+  stamp reuses] in ``trace_record.py``), the renamed guards are installed,
+  and the call returns a tracker of the copied result.  The graph, its module stacks and stack
   traces are those a trace gives (``tests/test_block_trace_once.py``
   compares them, and AOTAutograd's graphs, with tracing every block).
 - **StampError** (logged at DEBUG, the block traced): anything else, among it

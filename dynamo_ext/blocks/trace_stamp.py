@@ -135,8 +135,8 @@ def _lift_inputs(
 
 def _copy_nodes(tx: Any, rec: Recording, moved: Any, nodes: dict) -> None:
     """Copies of the recorded nodes reading ``nodes``' values, with fake values fresh where anything can tell
-    (NOTE [fake values a stamp reuses] in ``trace_record.py``); on any failure the
-    copies are erased again and :class:`StampError` raised."""
+    (NOTE [fake values a stamp reuses] in ``trace_record.py``); on any failure the copies are erased again and
+    :class:`StampError` raised."""
     output = tx.output
     tracer = output.current_tracer
     made: list[torch.fx.Node] = []
@@ -183,7 +183,8 @@ def _copied_body(body: torch.nn.Module, moved: Any) -> torch.nn.Module:
 
 
 def _lazy_copy(body: Any, moved: Any) -> Any:
-    if type(body).forward is torch.nn.Module.forward or not isinstance(body, torch.fx.GraphModule):
+    """:func:`_copied_body`'s copy without ``deepcopy``, or None where ``body`` reads anything but bodies."""
+    if not isinstance(body, torch.fx.GraphModule):
         return None
     nested = {}
     for n in body.graph.nodes:
