@@ -259,27 +259,28 @@ def test_a_block_that_leaves_a_mutation_is_traced_every_time(world, caplog):
 
 
 class _Rescaled(_Stack):
+    """Sets block ``index``'s ``scale`` before calling the blocks: a pending mutation of that block."""
+
+    def __init__(self, blocks: list[nn.Module], index: int) -> None:
+        super().__init__(blocks)
+        self.index = index
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.layers[2].scale = 3.0  # a pending mutation of block 2 when it is called
+        self.layers[self.index].scale = 3.0
         return super().forward(x)
 
 
 def test_a_block_with_a_pending_mutation_is_traced(world, caplog):
     torch.manual_seed(0)
-    model = _Rescaled([_Block(8) for _ in range(3)])
+    model = _Rescaled([_Block(8) for _ in range(3)], index=2)
     lines = _eager_and_compiled(model, torch.randn(3, 8), caplog)
     assert any("['2'] traced, the recording of" in line and "pending mutations" in line for line in lines), lines
 
 
-class _FirstRescaled(_Stack):
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.layers[1].scale = 3.0  # read by block 1's trace as it is pending, with no guard on it
-        return super().forward(x)
-
-
 def test_a_block_traced_with_a_pending_mutation_is_not_stamped_from(world, caplog):
+    # block 1's trace reads its pending scale, with no guard on it
     torch.manual_seed(0)
-    model = _FirstRescaled([_Block(8) for _ in range(4)])
+    model = _Rescaled([_Block(8) for _ in range(4)], index=1)
     lines = _eager_and_compiled(model, torch.randn(3, 8), caplog)
     assert any("['1'] traced and not recorded" in line and "pending mutations" in line for line in lines), lines
     # block 2 is recorded instead, block 3 stamped from it: scale 1.0, as eager (checked above)
