@@ -63,6 +63,7 @@ def _install() -> None:
         collective_check,
         guards,
         inductor_lowerings,
+        retrace_meta,
         variables,
     )
     from .blocks import reuse as block_reuse
@@ -84,6 +85,7 @@ def _install() -> None:
             block_reuse.install(PATCHES)  # NOTE [block reuse]
             block_split.install(PATCHES)  # NOTE [blocks compiled once]
             block_trace_once.install(PATCHES)  # NOTE [blocks traced once]
+            retrace_meta.install(PATCHES)  # NOTE [original node meta read once per code object]
         except BaseException:
             PATCHES.undo_all()
             raise

@@ -7,6 +7,7 @@ import sys
 
 import torch
 import torch._dynamo.guards
+import torch._dynamo.output_graph as output_graph
 import torch._dynamo.variables.builder as builder
 from helpers import CountingBackend, normalize_gm
 
@@ -26,6 +27,7 @@ def _snapshot() -> dict[str, dict[str, object]]:
         "VariableBuilder": vars(builder.VariableBuilder),
         "SourcelessBuilder": vars(builder.SourcelessBuilder),
         "GuardBuilder": vars(torch._dynamo.guards.GuardBuilder),
+        "SubgraphTracer": vars(output_graph.SubgraphTracer),
         "torch._dynamo.guards": vars(torch._dynamo.guards),
         "lowerings": lowering.lowerings,
         "aot_autograd": vars(aot_autograd),

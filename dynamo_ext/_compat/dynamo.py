@@ -205,6 +205,11 @@ def output_graph_class() -> type:
     return importlib.import_module("torch._dynamo.output_graph").OutputGraph
 
 
+def subgraph_tracer_class() -> type:
+    """``torch._dynamo.output_graph.SubgraphTracer``: its ``_create_proxy`` adds each node Dynamo traces."""
+    return importlib.import_module("torch._dynamo.output_graph").SubgraphTracer
+
+
 def graph_region_tracker_class() -> Any:
     """Dynamo's ``GraphRegionTracker`` where this release deduplicates identical graph regions into
     ``invoke_subgraph`` (``torch._dynamo.config.use_graph_deduplication``, ``OutputGraph.dedup_pass``); else None.
