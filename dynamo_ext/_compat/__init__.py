@@ -16,15 +16,12 @@ module is imported on first use.
 - :mod:`.dynamo`: trackers, builders, sources, guards, frames, the compile lock.
 - :mod:`.frame_state`: the traced frame's state read and added to directly (side effects, inputs, guards).
 - :mod:`.compiled_autograd`: compiled autograd and the autograd engine.
-- :mod:`.aot`: AOTAutograd (partitioner, cache, input fakification, checkpointing).
-- :mod:`.aot_cache`: AOTAutograd's cache entries: lookup, backward loading, custom autograd functions.
+- :mod:`.aot`, :mod:`.aot_cache`: AOTAutograd (partitioner, input fakification, checkpointing); its cache entries.
 - :mod:`.tracing`: fake tensors, symbolic shapes, dispatch modes, op metadata.
 - :mod:`.inductor`: Inductor config, lowerings, IR, post-grad passes, comm cost model.
 - :mod:`.structured_logs`: what a log handler can read of the graph or break being logged.
 - :mod:`.distributed`: c10d (functional collectives, process groups, store), DDP and DDPOptimizer.
-- :mod:`.symm_mem`: symmetric memory.
-- :mod:`.dtensor`: DeviceMesh and DTensor internals.
-- :mod:`.fsdp`: FSDP2 internals.
+- :mod:`.dtensor`, :mod:`.fsdp`, :mod:`.symm_mem`: DeviceMesh and DTensor, FSDP2, symmetric memory internals.
 - :mod:`.config_module`: torch config modules.
 """
 
@@ -96,6 +93,7 @@ from .distributed import (
     tcp_store,
 )
 from .dtensor import (
+    dtensor_around,
     dtensor_new_empty_strided_drops_uneven_shard,
     dtensor_rejects_mixed_partials,
     dtensor_spec_key,
@@ -242,6 +240,7 @@ from .tracing import (
     no_tracing_context,
     op_schema,
     own_tracing_context,
+    proxy_tensor_module,
     refake,
     reparametrize_module,
     shape_env_facts,
@@ -308,6 +307,7 @@ __all__ = [
     "destroy_library",
     "detect_fake_mode",
     "distributed_initialized",
+    "dtensor_around",
     "dtensor_new_empty_strided_drops_uneven_shard",
     "dtensor_rejects_mixed_partials",
     "dtensor_spec_key",
@@ -406,6 +406,7 @@ __all__ = [
     "pending_attrs",
     "prefix_store",
     "process_group_info",
+    "proxy_tensor_module",
     "raise_observed_exception",
     "records_dir",
     "refake",

@@ -142,6 +142,21 @@ def dtensor_spec_key(value: Any) -> Any:
     return (spec.mesh, repr(tuple(spec.placements)), tuple(spec.shape), tuple(spec.stride))
 
 
+def dtensor_around(value: Any, local: Any) -> Any:
+    """A DTensor with ``value``'s spec (mesh, placements, global shape and stride) around ``local``, not
+    requiring grad: what DTensor's dispatch of ``aten.detach`` returns for ``value`` when ``local`` is its
+    local tensor detached, without the dispatch.  ``None`` where ``value`` is not a DTensor.
+
+    DTensor's constructor (``DTensor(local_tensor, spec, *, requires_grad)``) and ``_spec`` are private;
+    2.11 to 2.15 have both.
+    """
+    from torch.distributed.tensor import DTensor
+
+    if type(value) is not DTensor:
+        return None
+    return DTensor(local, value._spec, requires_grad=False)
+
+
 def local_tensor_of(value: Any) -> Any:
     """A DTensor's local tensor; any other tensor itself."""
     return getattr(value, "_local_tensor", value)

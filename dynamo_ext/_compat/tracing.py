@@ -26,6 +26,12 @@ def symbolic_fake_mode() -> Any:
     return FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=True)
 
 
+def proxy_tensor_module() -> Any:
+    """``torch.fx.experimental.proxy_tensor``: ``make_fx``'s tracer, whose ``snapshot_fake`` copies each traced
+    value into its node's ``meta["val"]`` (private, present on 2.11 to 2.15)."""
+    return importlib.import_module("torch.fx.experimental.proxy_tensor")
+
+
 def fake_tensor(mode: Any, t: Any, *, dynamic_dim: int | None, name: str) -> Any:
     """``t`` as a fake tensor of ``mode``: every size static except ``dynamic_dim`` (a fresh symbol, hint = its size).
 
