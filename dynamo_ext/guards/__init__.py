@@ -16,12 +16,14 @@ __all__ = ["DEVICE_MESH", "DTENSOR_SPEC", "PLACEMENT", "PROCESS_GROUP", "GuardSp
 
 
 def install(patches: Patcher) -> None:
-    """Recompile reasons in words, and stock's DTensor spec guard replaced by ours."""
+    """Recompile reasons in words, aliasing guards in C++, and stock's DTensor spec guard replaced by ours."""
     from .. import _compat
+    from . import aliasing
     from .reasons import hook_fail_reasons
     from .spec import _guard_fn
 
     hook_fail_reasons(patches)
+    aliasing.install(patches)  # NOTE [object-aliasing guards in C++]
     dtensor_guard = _guard_fn(DTENSOR_SPEC)
 
     def DTENSOR_SPEC_MATCH(self: Any, guard: Any) -> None:  # noqa: N802  (Dynamo's name)
