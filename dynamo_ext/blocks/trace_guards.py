@@ -114,16 +114,22 @@ def _rename_source(source: Any, mapping: dict[Any, Any], memo: dict[Any, Any] | 
         out = source
     else:
         changes = {}
-        for f in dataclasses.fields(source):
-            value = getattr(source, f.name, None)
+        for name in _field_names(type(source)):
+            value = getattr(source, name, None)
             if isinstance(value, _compat.Source):
                 renamed = _rename_source(value, mapping, memo)
                 if renamed is not value:
-                    changes[f.name] = renamed
+                    changes[name] = renamed
         out = dataclasses.replace(cast(Any, source), **changes) if changes else source
     if memo is not None:
         memo[source] = out
     return out
+
+
+@functools.cache
+def _field_names(cls: type) -> tuple[str, ...]:
+    """A source dataclass's field names (``dataclasses.fields`` builds its tuple anew on every call)."""
+    return tuple(f.name for f in dataclasses.fields(cls))
 
 
 def replace_source(source: Any, old: Any, new: Any, memo: dict[Any, Any] | None = None) -> Any:
