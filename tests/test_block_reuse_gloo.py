@@ -4,9 +4,10 @@ A model of 3 identical FSDP2 blocks (plain FSDP2, and FSDP over TP on a (2, 2)
 mesh) trains 3 SGD steps (momentum) from the same seed eagerly and compiled
 with ``dynamo_ext.config.block_reuse`` on; the losses, the gradients (type,
 placements, local shard) and the parameters after each step must match eager,
-and the forward graph must call one subgraph for the blocks.  Under compiled
-autograd the backward is refused with a message (NOTE [block reuse under
-compiled autograd]).
+and the plain FSDP2 forward graph must call one subgraph for the blocks (FSDP over TP shares none:
+its blocks' compute is DTensor code).  Under compiled
+autograd the backward of a graph with a shared region is refused with a message
+(NOTE [block reuse under compiled autograd]); FSDP over TP, sharing none, trains.
 
 Marked ``slow`` (not run by default): block reuse is off by default; the
 default run covers it in one process (``test_block_reuse.py``: the subgraph,
@@ -55,10 +56,8 @@ def _reuse(rank: int, world: int, compiled_autograd: bool) -> dict[str, Any]:
     for name, cfg in CONFIGS.items():
         if compiled_autograd and name == "inductor":
             continue
-        eager = None  # under compiled autograd only the refusal is checked: no eager reference
-        if not compiled_autograd:
-            net = build(world, **cfg)
-            eager = train(net, net, rank, **cfg)
+        net = build(world, **cfg)
+        eager = train(net, net, rank, **cfg)
         torch._dynamo.reset()
         compat.dynamo_counters().clear()
         fwd, bwd = CountingBackend(cfg.get("backend", "aot_eager")), CountingBackend("aot_eager")
@@ -73,7 +72,6 @@ def _reuse(rank: int, world: int, compiled_autograd: bool) -> dict[str, Any]:
                 out[name] = {"refused": str(e)}
                 continue
         calls = Counter(str(n.args[0].target) for g in fwd.graphs for n in g.graph.nodes if is_invoke_subgraph(n))
-        assert eager is not None, "compiled autograd with block reuse trained instead of refusing"
         out[name] = {**diff(eager, run), "graphs": len(fwd.graphs), "calls": calls}
     return out
 
@@ -93,13 +91,19 @@ def test_three_identical_fsdp2_blocks_reused_match_eager(ranks, compiled_autogra
     for rank, per_config in enumerate(ranks["compiled_autograd" if compiled_autograd else "eager_backward"]):
         for name, r in per_config.items():
             where = f"rank {rank}, {name}: {r}"
-            if compiled_autograd:  # refused in words, never run with a wrong backward
+            if compiled_autograd and name != "fsdp_over_tp":  # refused in words, never run with a wrong backward
                 assert "compiled autograd cannot trace" in r.get("refused", ""), where
                 continue
             assert "refused" not in r, where
             assert r["grad_kinds_match"] and all(kind == "DTensor" for kind, _ in r["grad_kinds"]), where
             assert r["loss"] <= TOL and r["grads"] <= TOL and r["params"] <= TOL, where
             assert r["graphs"] == 1, where
+            if name == "fsdp_over_tp":
+                # The blocks' compute is DTensor code, which stays outside regions; the only repeated
+                # plain-tensor stretches are FSDP2's unshard views, which alias their input, and Dynamo's
+                # deduplication leaves such a region inline ("input-output aliasing"): no subgraph, so nothing
+                # for compiled autograd to refuse either.
+                assert not r["calls"], where
+                continue
             # Plain FSDP2: each block's compute is one region, one subgraph called once per block.
-            # FSDP over TP: only the blocks' plain-tensor stretches can be shared (DTensor stays outside).
             assert r["calls"] and max(r["calls"].values()) == 3, where
