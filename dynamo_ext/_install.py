@@ -61,9 +61,9 @@ def _install() -> None:
         aot_rng_order,
         async_collective_inputs,
         collective_check,
-        dtensor_snapshot,
         guards,
         inductor_lowerings,
+        make_fx_meta,
         retrace_meta,
         variables,
     )
@@ -87,7 +87,7 @@ def _install() -> None:
             block_split.install(PATCHES)  # NOTE [blocks compiled once]
             block_trace_once.install(PATCHES)  # NOTE [blocks traced once]
             retrace_meta.install(PATCHES)  # NOTE [original node meta read once per code object]
-            dtensor_snapshot.install(PATCHES)  # NOTE [fake DTensor snapshots]
+            make_fx_meta.install(PATCHES)  # its NOTEs: DTensor snapshots, the capture's tensor_meta
         except BaseException:
             PATCHES.undo_all()
             raise

@@ -1,14 +1,19 @@
-"""NOTE [fake DTensor snapshots]: ``make_fx``'s snapshot of a fake DTensor, made without DTensor's dispatch,
-equals the one its ``detach`` gives: spec, requires_grad and the local tensor's metadata and storage."""
+"""``dynamo_ext/make_fx_meta.py``.
+
+NOTE [fake DTensor snapshots]: ``make_fx``'s snapshot of a fake DTensor, made without DTensor's dispatch, equals
+the one its ``detach`` gives: spec, requires_grad and the local tensor's metadata and storage.  NOTE [compiled
+autograd's capture keeps no memory format]: the graphs compiled autograd hands on are the same without it.
+"""
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import pytest
 import torch
 
-from dynamo_ext import _compat, dtensor_snapshot
+from dynamo_ext import _compat, make_fx_meta
 from dynamo_ext._patching import Patcher
 
 
@@ -80,7 +85,7 @@ def test_other_values_go_to_the_original():
     patches = Patcher()
     patches.setattr(_compat, "proxy_tensor_module", lambda: module)
     try:
-        dtensor_snapshot.install(patches)
+        make_fx_meta.install(patches)
         plain = torch.ones(2)
         assert module.snapshot_fake(plain, include_real=True) == "snapshot"
     finally:
@@ -123,3 +128,84 @@ def test_compiled_autograd_capture_of_fsdp_over_tp_llama_snapshots_as_detach(wor
     assert len(compared) >= 20  # the parameters at the capture's start, their gradients, ...
     for got, expected in compared:
         assert got == expected
+
+
+# ---- NOTE [compiled autograd's capture keeps no memory format] ----------------------------------------------------
+
+
+def _llama_backward(mesh: Any, capture_part: bool) -> tuple[list[str], list[str], list[torch.Tensor], int]:
+    """The bundled Llama's (FSDP over TP, 2 layers) compiled-autograd backward: the captured graph's code with
+    each node's meta keys, Dynamo's graph of it, the gradients' local values, and how many contiguity questions
+    ``_extract_tensor_metadata`` asked meanwhile."""
+    import torch.fx.passes.shape_prop as shape_prop
+
+    from dynamo_ext.audit.targets import example_llama as ex
+
+    module = _compat.proxy_tensor_module()
+    asked = [0]
+    contiguous = shape_prop.is_contiguous_for_memory_format_or_false
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        asked[0] += 1
+        return contiguous(*args, **kwargs)
+
+    captured: list[str] = []
+    dynamo: list[str] = []
+
+    def dynamo_backend(gm: torch.fx.GraphModule, _inputs: Any) -> Any:
+        dynamo.append(gm.code)
+        return gm.forward
+
+    def compiler(gm: torch.fx.GraphModule) -> Any:
+        captured.append(gm.code)
+        captured.extend(f"{n.name}: {sorted(n.meta)}" for n in gm.graph.nodes)
+        return torch.compile(gm, backend=dynamo_backend)
+
+    torch._dynamo.reset()
+    cfg = ex.Config(n_layers=2)
+    torch.manual_seed(0)
+    model = ex.parallelize(ex.Decoder(cfg), mesh)
+    tokens = torch.randint(0, cfg.vocab, (cfg.batch, cfg.seq + 1))
+    logits = torch.compile(model, backend="aot_eager")(tokens[:, :-1])
+    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, cfg.vocab), tokens[:, 1:].reshape(-1))
+    patches = Patcher()
+    patches.setattr(shape_prop, "is_contiguous_for_memory_format_or_false", counted)
+    if not capture_part:  # the plugin installed, this part of it undone
+        patches.setattr(module, "set_meta", module.set_meta.__wrapped__)
+        patches.setattr(module, "_extract_tensor_metadata", module._extract_tensor_metadata.__wrapped__)
+    try:
+        with _compat.compiled_autograd(compiler):
+            loss.backward()
+    finally:
+        patches.undo_all()
+        torch._dynamo.reset()
+    grads = [_compat.local_tensor_of(p.grad) for p in model.parameters()]
+    return captured, dynamo, grads, asked[0]
+
+
+def _normalized(code: list[str]) -> list[str]:
+    """FX's file names and compiled autograd's AOTAutograd-backward ids (``aot5_mm``) count up in a process."""
+    return [re.sub(r"\baot\d+_", "aot_", re.sub(r"<eval_with_key>\.\d+", "<eval_with_key>", c)) for c in code]
+
+
+def test_compiled_autograd_graphs_are_the_same_without_the_captures_memory_formats(world):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))  # one mesh: the same group names
+    captured, dynamo, grads, asked = _llama_backward(mesh, capture_part=True)
+    stock_captured, stock_dynamo, stock_grads, stock_asked = _llama_backward(mesh, capture_part=False)
+    assert len(captured) > 100 and len(dynamo) == 1
+    assert _normalized(captured) == _normalized(stock_captured)
+    assert _normalized(dynamo) == _normalized(stock_dynamo)
+    for a, b in zip(grads, stock_grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert stock_asked > 100 and asked * 4 < stock_asked, (asked, stock_asked)
+
+
+def test_make_fx_outside_a_capture_keeps_memory_formats(world):
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    x = torch.randn(2, 3, 4, 5).to(memory_format=torch.channels_last)
+    gm = make_fx(lambda t: t.relu() + 1, tracing_mode="symbolic")(x)
+    formats = [n.meta["tensor_meta"].memory_format for n in gm.graph.nodes if "tensor_meta" in n.meta]
+    assert formats and all(f == torch.channels_last for f in formats), formats
