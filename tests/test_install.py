@@ -17,17 +17,21 @@ from dynamo_ext._patching import PATCHES
 
 def _snapshot() -> dict[str, dict[str, object]]:
     """Snapshot of every namespace the plugin may patch: object identity, config values by value."""
+    import torch._dynamo.compiled_autograd as compiled_autograd
     import torch._functorch._aot_autograd.frontend_utils as frontend_utils
     import torch._functorch.aot_autograd as aot_autograd
     import torch._inductor.codecache as codecache
     import torch._inductor.config as inductor_config
     import torch._inductor.lowering as lowering
+    import torch.fx.experimental.proxy_tensor as proxy_tensor
 
     spaces = {
         "VariableBuilder": vars(builder.VariableBuilder),
         "SourcelessBuilder": vars(builder.SourcelessBuilder),
         "GuardBuilder": vars(torch._dynamo.guards.GuardBuilder),
         "SubgraphTracer": vars(output_graph.SubgraphTracer),
+        "AutogradCompilerInstance": vars(compiled_autograd.AutogradCompilerInstance),
+        "proxy_tensor": vars(proxy_tensor),
         "torch._dynamo.guards": vars(torch._dynamo.guards),
         "lowerings": lowering.lowerings,
         "aot_autograd": vars(aot_autograd),
