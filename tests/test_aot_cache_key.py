@@ -73,8 +73,11 @@ def _launch(cache_dir: str, seed: int) -> dict:
 def test_tp_graph_hits_the_aot_cache_in_a_new_process(tmp_path):
     cold = _launch(str(tmp_path), seed=1)
     warm = _launch(str(tmp_path), seed=2)
-    assert cold["aot"] == [0, 1, 0], cold
-    assert warm["aot"] == [1, 0, 0], warm  # hit, no miss, no bypass
+    # One AOTAutograd compile per submodule the block split makes (NOTE [blocks compiled once]: the two Linears
+    # have the same ops, so the Sequential's items are cut apart), each a miss cold and a hit warm.
+    hits, misses, bypasses = cold["aot"]
+    assert hits == 0 and misses >= 1 and bypasses == 0, cold
+    assert warm["aot"] == [misses, 0, 0], warm  # every graph a hit, no miss, no bypass
     torch.testing.assert_close(torch.tensor(warm["out"]), torch.tensor(cold["out"]))  # fake collectives: identity
 
 
