@@ -9,11 +9,11 @@ original node that the traced line came from.  It looks the original graph up,
 and builds the list of all its nodes' ``meta`` dicts, whenever "the traced
 code object is not ``_cur_code``".  Nothing ever assigns ``_cur_code`` (2.13,
 and every other release's copy of ``output_graph.py`` checked), so the list
-is rebuilt for every proxy: the trace is quadratic
-in the graph's size.  On the bundled Llama (FSDP over TP, fake group, one
-process, torch 2.13) that rebuild took 1.4 s of the compiled-autograd
-backward's Dynamo trace at 8 layers and about 2 s more at 24 (the ``create_proxy``
-phase went from 3.3 to 1.4 s); it grows with the square of the depth.
+is rebuilt for every proxy: the trace is quadratic in the graph's size.  On
+the bundled Llama (FSDP over TP, fake group, one process, torch 2.13) the
+rebuilds took 1.4 s of the compiled-autograd backward's Dynamo trace at 8
+layers and 3.4 s at 32 (``create_proxy``: 5.1 s, 1.7 s without them); they
+grow with the square of the depth.
 
 After each proxy we set ``_cur_code`` to the code object it was traced from,
 so the lookup is redone only when the code changes, as the check intends.

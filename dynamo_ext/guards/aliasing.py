@@ -15,8 +15,8 @@ with their number.  Off, each is a relational guard in the guard tree.
 Measured on the bundled Llama (FSDP over TP, fake group, one process,
 ``aot_eager``, torch 2.13, 2026-11-27), three runs each at 16 layers:
 building the guards took 1.18-1.23 s as relational guards against
-1.81-1.88 s as the lambda; one evaluation of the frame's guards (2000 calls,
-``GuardManager.check``) took 1.67-2.04 ms against 1.77-1.92 ms.  So while the
+1.81-1.88 s as the lambda; one evaluation of the frame's guards
+(``GuardManager.check``, the mean of 2000) took 1.67-2.04 ms against 1.77-1.92 ms.  So while the
 plugin compiles a frame (``convert_frame._compile``) with
 ``config.aliasing_guards_in_cpp`` on (the default), Dynamo's switch reads
 False; the user's value is back when the compile returns.  The guards are the
