@@ -209,3 +209,38 @@ def test_make_fx_outside_a_capture_keeps_memory_formats(world):
     gm = make_fx(lambda t: t.relu() + 1, tracing_mode="symbolic")(x)
     formats = [n.meta["tensor_meta"].memory_format for n in gm.graph.nodes if "tensor_meta" in n.meta]
     assert formats and all(f == torch.channels_last for f in formats), formats
+
+
+# ---- NOTE [make_fx wrappers run untraced] --------------------------------------------------------------------------
+
+
+def test_backward_inside_a_compiled_step_runs_the_wrappers_untraced(world):
+    """``loss.backward()`` inside a compiled step under compiled autograd (the python reducer's way): the capture
+    runs the wrappers while a frame Dynamo compiled is running; Dynamo compiles none of them."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from dynamo_ext.audit.targets import example_llama as ex
+
+    module = _compat.proxy_tensor_module()
+    wrappers = [module.snapshot_fake, module.set_meta, module._extract_tensor_metadata]
+    cfg = ex.Config(n_layers=2)
+    torch.manual_seed(0)
+    model = ex.parallelize(ex.Decoder(cfg), init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp")))
+    tokens = torch.randint(0, cfg.vocab, (cfg.batch, cfg.seq + 1))
+    with torch._dynamo.config.patch(compiled_autograd=True):
+
+        @torch.compile(backend="aot_eager")
+        def step(tokens: torch.Tensor) -> torch.Tensor:
+            logits = model(tokens[:, :-1])
+            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, cfg.vocab), tokens[:, 1:].reshape(-1))
+            loss.backward()
+            return loss
+
+    try:
+        step(tokens)
+        compiled = [w.__name__ for w in wrappers if _debug_get_cache_entry_list(w.__code__)]
+    finally:
+        torch._dynamo.reset()
+    assert not compiled, compiled
+    assert all(p.grad is not None for p in model.parameters())

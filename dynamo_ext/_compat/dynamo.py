@@ -147,17 +147,18 @@ def guard_fail_reason_owner() -> tuple[Any, str]:
     return _guards, "get_guard_fail_reason_helper"
 
 
-def skip_frames_of(code: Any) -> Any:
-    """Make Dynamo run frames of ``code`` without tracing them; return the undo function.
+def skip_frames_of(code: Any, *, recursive: bool = False) -> Any:
+    """Make Dynamo run frames of ``code`` without tracing them (with ``recursive``, the frames they call too);
+    return the undo function.
 
     ``torch._dynamo.eval_frame.skip_code`` / ``set_code_exec_strategy`` exist on 2.11 to 2.15.  ``FrameAction``
     and ``FrameExecStrategy`` come from the C module through ``torch._dynamo.types`` (that stub lacks them).
     """
     from torch._C._dynamo.eval_frame import set_code_exec_strategy
-    from torch._dynamo.eval_frame import skip_code
     from torch._dynamo.types import FrameAction, FrameExecStrategy  # pyright: ignore[reportPrivateImportUsage]
 
-    skip_code(code)
+    callees = FrameAction.SKIP if recursive else FrameAction.DEFAULT
+    set_code_exec_strategy(code, FrameExecStrategy(FrameAction.SKIP, callees))
     return lambda: set_code_exec_strategy(code, FrameExecStrategy(FrameAction.DEFAULT, FrameAction.DEFAULT))
 
 
