@@ -3,6 +3,7 @@
 NOTE [fake DTensor snapshots]: ``make_fx``'s snapshot of a fake DTensor, made without DTensor's dispatch, equals
 the one its ``detach`` gives: spec, requires_grad and the local tensor's metadata and storage.  NOTE [compiled
 autograd's capture keeps no memory format]: the graphs compiled autograd hands on are the same without it.
+NOTE [make_fx wrappers run untraced]: a backward inside a compiled step does not make Dynamo compile them.
 """
 
 from __future__ import annotations

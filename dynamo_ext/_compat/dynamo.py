@@ -151,8 +151,9 @@ def skip_frames_of(code: Any, *, recursive: bool = False) -> Any:
     """Make Dynamo run frames of ``code`` without tracing them (with ``recursive``, the frames they call too);
     return the undo function.
 
-    ``torch._dynamo.eval_frame.skip_code`` / ``set_code_exec_strategy`` exist on 2.11 to 2.15.  ``FrameAction``
-    and ``FrameExecStrategy`` come from the C module through ``torch._dynamo.types`` (that stub lacks them).
+    ``set_code_exec_strategy`` (what ``torch._dynamo.eval_frame.skip_code`` calls) exists on 2.11 to 2.15.
+    ``FrameAction`` and ``FrameExecStrategy`` come from the C module through ``torch._dynamo.types`` (that stub
+    lacks them).
     """
     from torch._C._dynamo.eval_frame import set_code_exec_strategy
     from torch._dynamo.types import FrameAction, FrameExecStrategy  # pyright: ignore[reportPrivateImportUsage]
