@@ -30,8 +30,8 @@ NOTE [compiled autograd's capture keeps no memory format]
 ``proxy_tensor.set_meta`` also stores each traced tensor's ``tensor_meta``
 (``_extract_tensor_metadata``), whose memory format is found by asking, for
 three formats in turn, whether the tensor is contiguous in it: with symbolic
-sizes each question is evaluated symbolically (1.4 ms a tensor on the bundled
-Llama's capture).  Compiled autograd traces its capture with such a tracer and
+sizes each question is evaluated symbolically (1.4 ms a tensor under cProfile
+on the bundled Llama's capture).  Compiled autograd traces its capture with such a tracer and
 deletes every node's ``tensor_meta``, ``val`` and ``example_value`` at the end of
 the capture (``AutogradCompilerInstance.end_capture``: "we traced using dummy
 tensors"), before anything reads them.  So for nodes of a compiled-autograd
