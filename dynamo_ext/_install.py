@@ -67,6 +67,7 @@ def _install() -> None:
         retrace_meta,
         variables,
     )
+    from .blocks import aot_backward_calls
     from .blocks import reuse as block_reuse
     from .blocks import split as block_split
     from .blocks import trace_once as block_trace_once
@@ -88,6 +89,7 @@ def _install() -> None:
             block_trace_once.install(PATCHES)  # NOTE [blocks traced once]
             retrace_meta.install(PATCHES)  # NOTE [original node meta read once per code object]
             make_fx_meta.install(PATCHES)  # its NOTEs: DTensor snapshots, the capture's tensor_meta
+            aot_backward_calls.install(PATCHES)  # NOTE [AOT backward copies traced as one call]
         except BaseException:
             PATCHES.undo_all()
             raise

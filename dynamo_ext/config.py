@@ -82,6 +82,12 @@ guards, not as one Python lambda (``torch._dynamo.config.use_lamba_guard_for_obj
 about a third less guard-building time on FSDP2 models, the same guard-evaluation time (NOTE [object-aliasing
 guards in C++]).  ``False`` (or ``DYNAMO_EXT_ALIASING_GUARDS_IN_CPP=0``) leaves Dynamo's switch as it is."""
 
+outline_aot_backward: bool = _Config(default=True, env_name_default="DYNAMO_EXT_OUTLINE_AOT_BACKWARD")
+"""Dynamo traces each AOTAutograd backward graph compiled autograd copies into its graph as one call, and puts
+the graph's nodes back in its place before the backend (NOTE [AOT backward copies traced as one call]): the
+backend gets the graph tracing op by op gives.  ``False`` (or ``DYNAMO_EXT_OUTLINE_AOT_BACKWARD=0``) traces those
+copies op by op."""
+
 reuse_block_compiles: bool = True
 """With ``compile_blocks_once``: a block identical to one already compiled runs that compile.  ``False`` cuts
 the graph at the same places and compiles every block, so each logs its own graphs on the structured trace:

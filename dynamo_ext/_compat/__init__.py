@@ -6,11 +6,9 @@ never a version-string comparison, so a point release that back-ports a
 feature is handled too; each probe's docstring says what it probes and which
 releases have it where known.
 
-The package re-exports every public name of its modules, so callers write
-``from dynamo_ext import _compat; _compat.has_functional_op(...)``; a test that
-monkeypatches a probe patches it here, where callers read it.  Importing the
-package imports ``torch._dynamo`` (see :mod:`.dynamo`); every other private
-module is imported on first use.
+The package re-exports every public name of its modules (callers write ``_compat.has_functional_op(...)``;
+a test that monkeypatches a probe patches it here, where callers read it).  Importing the package imports
+``torch._dynamo`` (see :mod:`.dynamo`); every other private module is imported on first use.
 
 - :mod:`.probes`: ``optional_attr``, the generic attribute probe.
 - :mod:`.dynamo`: trackers, builders, sources, guards, frames, the compile lock.
@@ -59,10 +57,13 @@ from .compiled_autograd import (
     compiled_autograd_enabled,
     compiled_autograd_hooks,
     compiled_autograd_module,
+    compiled_by_dynamo,
     compiling_compiled_autograd_graph,
     in_autograd_backward,
     in_compiled_autograd_region,
     is_aot_backward_prologue,
+    kept_node_meta_fields,
+    retraced_from,
     tensor_hooks,
 )
 from .config_module import (
@@ -86,9 +87,7 @@ from .distributed import (
     has_functional_op,
     object_collective_device,
     prefix_store,
-    process_group_info,
     reset_submod_compiler_state,
-    resolve_process_group,
     saved_tensors_hooks_off_during_tracing,
     tcp_store,
 )
@@ -291,6 +290,7 @@ __all__ = [
     "compiled_autograd_enabled",
     "compiled_autograd_hooks",
     "compiled_autograd_module",
+    "compiled_by_dynamo",
     "compiled_graph_attributes",
     "compiling_compiled_autograd_graph",
     "config_defaults",
@@ -381,6 +381,7 @@ __all__ = [
     "is_symm_mem_enabled_for_group",
     "is_symm_mem_tensor",
     "is_traceable_subclass",
+    "kept_node_meta_fields",
     "lambda_guard",
     "lazy_graph_module",
     "local_tensor_of",
@@ -405,7 +406,6 @@ __all__ = [
     "partitioners_module",
     "pending_attrs",
     "prefix_store",
-    "process_group_info",
     "proxy_tensor_module",
     "raise_observed_exception",
     "records_dir",
@@ -414,7 +414,7 @@ __all__ = [
     "renamed_guard",
     "reparametrize_module",
     "reset_submod_compiler_state",
-    "resolve_process_group",
+    "retraced_from",
     "root_lambda_guard",
     "root_mesh",
     "saved_tensors_hooks_off_during_tracing",

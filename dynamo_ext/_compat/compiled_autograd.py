@@ -101,3 +101,36 @@ def is_aot_backward_prologue(target: Any) -> bool:
     return getattr(target, "__module__", None) == "torch._dynamo.compiled_autograd" and str(
         getattr(target, "__qualname__", "")
     ).endswith("proxy_call_aot_backward.<locals>.call_aot_bwd_prologue")
+
+
+def compiled_by_dynamo(compiled: Any, module: Any) -> bool:
+    """Whether ``compiled`` is Dynamo's ``OptimizedModule`` of ``module`` itself, compiling (what
+    ``torch.compile(backend=...)(module)`` returns; ``torch._dynamo.eval_frame.OptimizedModule``, 2.11 to 2.15)."""
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    from .dynamo import is_compiling_context
+
+    return (
+        isinstance(compiled, OptimizedModule)
+        and compiled._orig_mod is module
+        and is_compiling_context(getattr(compiled, "dynamo_ctx", None))
+    )
+
+
+def kept_node_meta_fields() -> tuple[str, ...]:
+    """The node metadata fields a trace copies from the node it retraces (``torch.fx.proxy._COPY_META_FIELDS``:
+    Dynamo's ``_maybe_preserve_original_meta`` copies these, and ``stack_trace``; 2.11 to 2.15)."""
+    from torch.fx import proxy
+
+    return tuple(getattr(proxy, "_COPY_META_FIELDS", ()))
+
+
+def retraced_from(gm: Any) -> None:
+    """Tell Dynamo that ``gm``'s current ``forward`` code was generated from ``gm``'s graph, as ``torch.compile(gm)``
+    does for the code it is given (``torch._dynamo.code_context``'s ``orig_graphmodule``, 2.11 to 2.15): Dynamo then
+    copies each original node's metadata onto the nodes it traces from that code."""
+    import weakref
+
+    from torch._dynamo.code_context import code_context
+
+    code_context.get_context(gm.forward.__code__)["orig_graphmodule"] = weakref.ref(gm)

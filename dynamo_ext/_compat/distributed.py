@@ -118,17 +118,6 @@ def group_is_fake(name: str) -> bool:
         return False
 
 
-def process_group_info(group_name: str) -> tuple[int, list[int]]:
-    """(size, global ranks) of the process group registered as ``group_name``; ``(0, [])`` when unknown here."""
-    import torch.distributed as dist
-
-    try:
-        pg = resolve_process_group(group_name)
-        return pg.size(), list(dist.get_process_group_ranks(pg))
-    except Exception:
-        return 0, []
-
-
 def default_store() -> Any:
     """The default group's c10d store (``distributed_c10d._get_default_store()``), ``None`` without one."""
     if not distributed_initialized():
