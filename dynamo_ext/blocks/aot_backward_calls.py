@@ -138,7 +138,7 @@ def outline(gm: Any) -> int:
         if reason is not None:
             log.info("compiled autograd: AOT backward %s traced op by op: %s", aot_id, reason)
             continue
-        _outline_region(gm, aot_id, nodes)
+        _outline_region(gm, nodes)
         count += 1
     if count:
         gm.recompile()
@@ -147,7 +147,7 @@ def outline(gm: Any) -> int:
     return count
 
 
-def _outline_region(gm: Any, aot_id: str, nodes: list[Any]) -> None:
+def _outline_region(gm: Any, nodes: list[Any]) -> None:
     """Move ``nodes`` into a ``_Region`` called after the last of them; their readers read the call's outputs."""
     import torch.fx
 
@@ -162,7 +162,7 @@ def _outline_region(gm: Any, aot_id: str, nodes: list[Any]) -> None:
     for node in nodes:
         env[node] = body.node_copy(node, env.__getitem__)
     body.output(tuple(env[n] for n in outputs))
-    region = _Region(torch.fx.GraphModule(gm, body, class_name=f"AOTBackward{aot_id}"))
+    region = _Region(_compat.lazy_graph_module(gm, body))  # its code generated only if it runs for real
     torch.compiler.allow_in_graph(region)
     with graph.inserting_after(nodes[-1]):
         call = graph.call_function(region, tuple(inputs))
