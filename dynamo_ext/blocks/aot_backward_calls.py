@@ -5,9 +5,10 @@ Compiled autograd's capture copies the backward graph of every compiled region
 it meets (``proxy_call_aot_backward``: each node renamed ``aot<id>_<name>``) into
 its own graph, and Dynamo then traces that graph's generated code instruction by
 instruction: about 250 ops a block of the bundled Llama (FSDP over TP), each
-interpreted, its fake value computed and wrapped in a ``TensorVariable``.  That
-was most of the compiled-autograd backward's cost that grows with the depth.
-Those ops are already a graph with no Python between them.
+interpreted, its fake value computed and wrapped in a ``TensorVariable``: 0.18 s
+of the 0.77 s a layer costs the compiled-autograd backward (one process,
+``aot_eager``, torch 2.13).  Those ops are already a graph with no Python
+between them.
 
 So, when compiled autograd hands its graph to a ``torch.compile`` of it, each
 copied region (the nodes named ``aot<id>_...`` after one
@@ -21,9 +22,10 @@ log and the backend), each call is replaced by the region's nodes again, each
 with its recorded fake value as ``example_value`` and the metadata Dynamo's
 retrace would give it (the fields ``fx.proxy`` copies from an original node,
 its stack trace, ``source_fn_stack``).  The backend, the block split, the
-bucketing pass and the collective check see the graph tracing gives, nodes in the same order but for the
-input unpacking a region's inputs need (``getitem`` of compiled autograd's
-input list) and the region's own order kept whole.
+bucketing pass and the collective check see the graph tracing op by op gives,
+node for node and in the same order; only node names differ (and the name half
+of ``source_fn_stack``, the node's own name here), as
+``tests/test_aot_backward_calls.py`` checks on the FSDP-over-TP Llama.
 
 A region is left as it is (logged) when it holds a node that is not a
 ``call_function`` (a ``get_attr`` of a constant, a submodule), a node that
