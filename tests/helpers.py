@@ -107,6 +107,19 @@ class AotGraphs:
         )
 
 
+def compiled_llama_loss(mesh: Any, n_layers: int = 2) -> tuple[torch.nn.Module, torch.Tensor]:
+    """The bundled Llama (FSDP over TP on ``mesh``), seeded, its forward compiled with ``aot_eager``: the model
+    and the loss of one batch, ready for a backward (under compiled autograd, for the tests of its capture)."""
+    from dynamo_ext.audit.targets import example_llama as ex
+
+    cfg = ex.Config(n_layers=n_layers)
+    torch.manual_seed(0)
+    model = ex.parallelize(ex.Decoder(cfg), mesh)
+    tokens = torch.randint(0, cfg.vocab, (cfg.batch, cfg.seq + 1))
+    logits = torch.compile(model, backend="aot_eager")(tokens[:, :-1])
+    return model, torch.nn.functional.cross_entropy(logits.reshape(-1, cfg.vocab), tokens[:, 1:].reshape(-1))
+
+
 def module_paths(node: torch.fx.Node) -> list[str]:
     """The module paths of a node's ``nn_module_stack``, outermost first."""
     return [path for path, _cls in (node.meta.get("nn_module_stack") or {}).values()]

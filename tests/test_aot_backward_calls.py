@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import torch
 import torch.fx
+from helpers import compiled_llama_loss
 
 import dynamo_ext.config
 from dynamo_ext import _compat
@@ -36,8 +37,6 @@ def _counting_outline(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 def _llama_backward(mesh: Any, outlined: bool, compiler: Any = None) -> tuple[list[torch.fx.GraphModule], list[Any]]:
     """The bundled Llama's (FSDP over TP, 2 layers) compiled-autograd backward: Dynamo's graphs and the gradients'
     local values."""
-    from dynamo_ext.audit.targets import example_llama as ex
-
     graphs: list[torch.fx.GraphModule] = []
 
     def backend(gm: torch.fx.GraphModule, _inputs: Any) -> Any:
@@ -45,12 +44,7 @@ def _llama_backward(mesh: Any, outlined: bool, compiler: Any = None) -> tuple[li
         return gm.forward
 
     torch._dynamo.reset()
-    cfg = ex.Config(n_layers=2)
-    torch.manual_seed(0)
-    model = ex.parallelize(ex.Decoder(cfg), mesh)
-    tokens = torch.randint(0, cfg.vocab, (cfg.batch, cfg.seq + 1))
-    logits = torch.compile(model, backend="aot_eager")(tokens[:, :-1])
-    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, cfg.vocab), tokens[:, 1:].reshape(-1))
+    model, loss = compiled_llama_loss(mesh)
     compiler = compiler or (lambda gm: torch.compile(gm, backend=backend))
     try:
         with dynamo_ext.config.patch(outline_aot_backward=outlined), _compat.compiled_autograd(compiler):

@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import compiled_llama_loss
 
 from dynamo_ext import _compat, make_fx_meta
 from dynamo_ext._patching import Patcher
@@ -140,8 +141,6 @@ def _llama_backward(mesh: Any, capture_part: bool) -> tuple[list[str], list[str]
     ``_extract_tensor_metadata`` asked meanwhile."""
     import torch.fx.passes.shape_prop as shape_prop
 
-    from dynamo_ext.audit.targets import example_llama as ex
-
     module = _compat.proxy_tensor_module()
     asked = [0]
     contiguous = shape_prop.is_contiguous_for_memory_format_or_false
@@ -163,12 +162,7 @@ def _llama_backward(mesh: Any, capture_part: bool) -> tuple[list[str], list[str]
         return torch.compile(gm, backend=dynamo_backend)
 
     torch._dynamo.reset()
-    cfg = ex.Config(n_layers=2)
-    torch.manual_seed(0)
-    model = ex.parallelize(ex.Decoder(cfg), mesh)
-    tokens = torch.randint(0, cfg.vocab, (cfg.batch, cfg.seq + 1))
-    logits = torch.compile(model, backend="aot_eager")(tokens[:, :-1])
-    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, cfg.vocab), tokens[:, 1:].reshape(-1))
+    model, loss = compiled_llama_loss(mesh)
     patches = Patcher()
     patches.setattr(shape_prop, "is_contiguous_for_memory_format_or_false", counted)
     if not capture_part:  # the plugin installed, this part of it undone
