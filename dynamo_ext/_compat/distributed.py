@@ -59,12 +59,12 @@ def _resolve_group(name: str) -> Any:
     if not name or not distributed_initialized():
         return None
     try:
-        return resolve_process_group(name)
+        return _registered_process_group(name)
     except (RuntimeError, ValueError, KeyError):
         return None
 
 
-def resolve_process_group(name: str) -> torch.distributed.ProcessGroup:
+def _registered_process_group(name: str) -> torch.distributed.ProcessGroup:
     """The ``ProcessGroup`` registered as ``name`` (c10d's ``_resolve_process_group``).
 
     Raises:
