@@ -189,3 +189,29 @@ def test_region_that_cannot_be_one_call_stays_and_says_why(case, reason, caplog)
         assert aot_backward_calls.outline(gm) == 0
     assert [(n.name, n.target) for n in gm.graph.nodes] == before
     assert f"AOT backward 0 traced op by op: {reason}" in caplog.text
+
+
+def test_inlined_without_a_recorded_fake_run_runs_the_region_on_the_fakes():
+    """A call whose fake run is gone (a restarted trace) gets its nodes back with fake values computed again."""
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    gm = _copied_graph()
+    x, y = torch.randn(3), torch.randn(3)
+    expected = gm(x, y)
+    aot_backward_calls.outline(gm)
+    mode = FakeTensorMode()
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            node.meta["example_value"] = mode.from_tensor(torch.randn(3))
+    (call,) = [n for n in gm.graph.nodes if isinstance(n.target, aot_backward_calls._Region)]
+    aot_backward_calls._inline_call(gm.graph, call)
+    gm.recompile()
+    copies = [n for n in gm.graph.nodes if n.name.startswith("aot0_")]
+    aten = torch.ops.aten
+    assert [n.target for n in copies] == [aten.mul.Tensor, aten.add.Tensor, aten.relu.default]
+    for node in copies:
+        assert isinstance(node.meta["example_value"], FakeTensor) and node.meta["example_value"].shape == (3,)
+        assert node.meta["source_fn_stack"] == [(node.name, node.target)]
+    assert not any(n.target is operator.getitem for n in gm.graph.nodes)
+    for got, want in zip(gm(x, y), expected, strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)

@@ -185,11 +185,14 @@ def _inline(output_graph: Any) -> int:
     graph = output_graph.graph
     calls = [n for n in graph.nodes if n.op == "call_function" and isinstance(n.target, _Region)]
     for call in calls:
-        _inline_call(output_graph, graph, call)
+        _inline_call(graph, call)
     return len(calls)
 
 
-def _inline_call(output_graph: Any, graph: Any, call: Any) -> None:
+def _inline_call(graph: Any, call: Any) -> None:
+    """Copy the body of ``call``'s region into ``graph`` before it, with the fake values and metadata Dynamo's
+    trace of it would give; its ``getitem`` readers read the copies.  Raises ``AssertionError`` for a call read other
+    than by ``getitem`` (Dynamo unpacks a tuple it traces that way)."""
     import torch.fx
 
     region: _Region = call.target
