@@ -110,7 +110,7 @@ def _regions(graph: Any) -> dict[str, list[Any]]:
     return regions
 
 
-def _refusal(graph: Any, nodes: list[Any]) -> str | None:
+def _refusal(nodes: list[Any]) -> str | None:
     """Why ``nodes`` cannot become one call; None when they can."""
     members = set(nodes)
     for node in nodes:
@@ -118,14 +118,11 @@ def _refusal(graph: Any, nodes: list[Any]) -> str | None:
             return f"{node.name} is a {node.op} node"
         if "unbacked_bindings" in node.meta:
             return f"{node.name} makes data-dependent sizes"
-    inside = False
-    for node in graph.nodes:
-        if node is nodes[0]:
-            inside = True
-        if node is nodes[-1]:
-            break
-        if inside and node not in members and any(arg in members for arg in node.all_input_nodes):
+    node = nodes[0]
+    while node is not nodes[-1]:  # only the span of the region, not the whole graph once per region
+        if node not in members and any(arg in members for arg in node.all_input_nodes):
             return f"{node.name}, between the region's nodes, reads one of its values"
+        node = node.next
     return None
 
 
@@ -136,7 +133,7 @@ def outline(gm: Any) -> int:
     """
     count = 0
     for aot_id, nodes in _regions(gm.graph).items():
-        reason = _refusal(gm.graph, nodes)
+        reason = _refusal(nodes)
         if reason is not None:
             log.info("compiled autograd: AOT backward %s traced op by op: %s", aot_id, reason)
             continue
@@ -155,9 +152,7 @@ def _outline_region(gm: Any, nodes: list[Any]) -> None:
 
     graph = gm.graph
     members = set(nodes)
-    inputs: list[Any] = []
-    for node in nodes:
-        inputs.extend(a for a in node.all_input_nodes if a not in members and a not in inputs)
+    inputs = list(dict.fromkeys(a for node in nodes for a in node.all_input_nodes if a not in members))
     outputs = [n for n in nodes if any(user not in members for user in n.users)]
     body = torch.fx.Graph()
     env = {a: body.placeholder(a.name) for a in inputs}
