@@ -30,6 +30,8 @@ def _snapshot() -> dict[str, dict[str, object]]:
         "SourcelessBuilder": vars(builder.SourcelessBuilder),
         "GuardBuilder": vars(torch._dynamo.guards.GuardBuilder),
         "SubgraphTracer": vars(output_graph.SubgraphTracer),
+        "OutputGraph": vars(output_graph.OutputGraph),
+        "CheckFunctionManager": vars(torch._dynamo.guards.CheckFunctionManager),
         "AutogradCompilerInstance": vars(compiled_autograd.AutogradCompilerInstance),
         "proxy_tensor": vars(proxy_tensor),
         "torch._dynamo.guards": vars(torch._dynamo.guards),

@@ -6,11 +6,9 @@ never a version-string comparison, so a point release that back-ports a
 feature is handled too; each probe's docstring says what it probes and which
 releases have it where known.
 
-The package re-exports every public name of its modules (callers write ``_compat.has_functional_op(...)``;
-a test that monkeypatches a probe patches it here, where callers read it).  Importing the package imports
-``torch._dynamo`` (see :mod:`.dynamo`); every other private module is imported on first use.
+Every public name of its modules is re-exported here, where callers read it (``_compat.has_functional_op``)
+and tests patch it.  Importing it imports ``torch._dynamo`` (:mod:`.dynamo`); other modules load on first use.
 
-- :mod:`.probes`: ``optional_attr``, the generic attribute probe.
 - :mod:`.dynamo`: trackers, builders, sources, guards, frames, the compile lock.
 - :mod:`.frame_state`: the traced frame's state read and added to directly (side effects, inputs, guards).
 - :mod:`.compiled_autograd`: compiled autograd and the autograd engine.
@@ -20,7 +18,7 @@ a test that monkeypatches a probe patches it here, where callers read it).  Impo
 - :mod:`.structured_logs`: what a log handler can read of the graph or break being logged.
 - :mod:`.distributed`: c10d (functional collectives, process groups, store), DDP and DDPOptimizer.
 - :mod:`.dtensor`, :mod:`.fsdp`, :mod:`.symm_mem`: DeviceMesh and DTensor, FSDP2, symmetric memory internals.
-- :mod:`.config_module`: torch config modules.
+- :mod:`.config_module`, :mod:`.probes`: torch config modules; ``optional_attr``, the generic attribute probe.
 """
 
 from __future__ import annotations
@@ -138,6 +136,7 @@ from .dynamo import (
     is_compiling_context,
     lambda_guard,
     output_graph_class,
+    precompile_cache_classes,
     raise_observed_exception,
     root_lambda_guard,
     skip_frames_of,
@@ -405,6 +404,7 @@ __all__ = [
     "own_tracing_context",
     "partitioners_module",
     "pending_attrs",
+    "precompile_cache_classes",
     "prefix_store",
     "proxy_tensor_module",
     "raise_observed_exception",

@@ -207,6 +207,21 @@ def output_graph_class() -> type:
     return importlib.import_module("torch._dynamo.output_graph").OutputGraph
 
 
+def precompile_cache_classes() -> tuple[type, type] | None:
+    """``(OutputGraph, CheckFunctionManager)`` where Dynamo has its precompile cache; else None.
+
+    Probes ``torch._dynamo.config.caching_precompile`` (``TORCH_CACHING_PRECOMPILE=1``: a frame's guards and
+    graphs saved by ``torch.compiler.save_cache_artifacts()`` and loaded by a restarted job) and
+    ``OutputGraph.bypass_package`` (leave the frame being compiled out of the package).  Both are on 2.13.
+    """
+    if not hasattr(torch._dynamo.config, "caching_precompile"):
+        return None
+    output_graph = output_graph_class()
+    if not callable(getattr(output_graph, "bypass_package", None)):
+        return None
+    return output_graph, _guards.CheckFunctionManager
+
+
 def subgraph_tracer_class() -> type:
     """``torch._dynamo.output_graph.SubgraphTracer``: its ``_create_proxy`` adds each node Dynamo traces."""
     return importlib.import_module("torch._dynamo.output_graph").SubgraphTracer
