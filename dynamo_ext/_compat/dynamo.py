@@ -212,14 +212,18 @@ def precompile_cache_classes() -> tuple[type, type] | None:
 
     Probes ``torch._dynamo.config.caching_precompile`` (``TORCH_CACHING_PRECOMPILE=1``: a frame's guards and
     graphs saved by ``torch.compiler.save_cache_artifacts()`` and loaded by a restarted job) and
-    ``OutputGraph.bypass_package`` (leave the frame being compiled out of the package).  Both are on 2.13.
+    ``OutputGraph.bypass_package`` (leave the frame being compiled out of the package), and
+    ``CheckFunctionManager``'s ``output_graph`` and ``save_guards`` parameters.  All are on 2.13.
     """
     if not hasattr(torch._dynamo.config, "caching_precompile"):
         return None
     output_graph = output_graph_class()
     if not callable(getattr(output_graph, "bypass_package", None)):
         return None
-    return output_graph, _guards.CheckFunctionManager
+    manager = _guards.CheckFunctionManager
+    if not {"output_graph", "save_guards"} <= set(inspect.signature(manager.__init__).parameters):
+        return None
+    return output_graph, manager
 
 
 def subgraph_tracer_class() -> type:

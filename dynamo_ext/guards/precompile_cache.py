@@ -96,7 +96,11 @@ def install(patches: Patcher) -> None:
     precompile cache]); a no-op on a release without that cache."""
     classes = _compat.precompile_cache_classes()
     if classes is None:
-        log.debug("this torch release has no Dynamo precompile cache: nothing to keep frames out of")
+        if hasattr(torch._dynamo.config, "caching_precompile"):
+            log.info(
+                "Dynamo's precompile cache is not as dynamo_ext.guards.precompile_cache reads it: with "
+                "caching_precompile on, this release's Dynamo drops identity and closure guards of the plugin's frames"
+            )
         return
     output_graph, check_function_manager = classes
     patches.setattr(output_graph, "compile_subgraph", _left_out_of_package(output_graph.compile_subgraph))
