@@ -58,7 +58,8 @@ BYPASS_REASON = (
 def _left_out_of_package(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def compile_subgraph(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if self.package is not None:  # before the backend: its compile is then the one a run without the cache makes
+        # Before the backend: its compile is then the one a run without the cache makes.
+        if getattr(self, "package", None) is not None:
             self.bypass_package(BYPASS_REASON)
         return original(self, *args, **kwargs)
 
@@ -75,7 +76,7 @@ def _every_guard_kept(original: Callable[..., Any], output_graph_class: type) ->
         if not torch._dynamo.config.caching_precompile or not isinstance(output_graph, output_graph_class):
             original(self, *args, **kwargs)  # not a frame being compiled (a saved frame's guards being loaded)
             return
-        if output_graph.package is not None:  # a frame that compiled no graph
+        if getattr(output_graph, "package", None) is not None:  # a frame that compiled no graph
             output_graph.bypass_package(BYPASS_REASON)
         log.debug("caching_precompile is on: this frame keeps its identity, closure and dict-version guards")
         save = bound.arguments.get("save_guards", False)
