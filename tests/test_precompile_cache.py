@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import subprocess
@@ -110,7 +111,7 @@ def test_a_restarted_job_runs_and_hits_aotautograds_cache(tmp_path):
             [sys.executable, "-c", _RESTART], cwd=root, env=env, capture_output=True, text=True, timeout=600
         )
         assert done.returncode == 0, done.stderr[-3000:]
-        runs.append(__import__("json").loads(done.stdout.strip().splitlines()[-1]))
+        runs.append(json.loads(done.stdout.strip().splitlines()[-1]))
     assert runs[0]["loss"] == runs[1]["loss"]
     assert runs[0]["aot"].get("autograd_cache_miss") == 1
     assert runs[1]["aot"].get("autograd_cache_hit") == 1
