@@ -9,13 +9,11 @@ releases have it where known.
 Every public name of its modules is re-exported here, where callers read it (``_compat.has_functional_op``)
 and tests patch it.  Importing it imports ``torch._dynamo`` (:mod:`.dynamo`); other modules load on first use.
 
-- :mod:`.dynamo`: trackers, builders, sources, guards, frames, the compile lock.
+- :mod:`.dynamo`, :mod:`.compiled_autograd`: trackers, builders, sources, guards, frames, the lock; compiled autograd.
 - :mod:`.frame_state`: the traced frame's state read and added to directly (side effects, inputs, guards).
-- :mod:`.compiled_autograd`: compiled autograd and the autograd engine.
 - :mod:`.aot`, :mod:`.aot_cache`: AOTAutograd (partitioner, input fakification, checkpointing); its cache entries.
-- :mod:`.tracing`: fake tensors, symbolic shapes, dispatch modes, op metadata.
+- :mod:`.tracing`, :mod:`.structured_logs`: fake tensors, shapes, dispatch modes, op metadata; logged graphs.
 - :mod:`.inductor`: Inductor config, lowerings, IR, post-grad passes, comm cost model.
-- :mod:`.structured_logs`: what a log handler can read of the graph or break being logged.
 - :mod:`.distributed`: c10d (functional collectives, process groups, store), DDP and DDPOptimizer.
 - :mod:`.dtensor`, :mod:`.fsdp`, :mod:`.symm_mem`: DeviceMesh and DTensor, FSDP2, symmetric memory internals.
 - :mod:`.config_module`, :mod:`.probes`: torch config modules; ``optional_attr``, the generic attribute probe.
@@ -142,6 +140,7 @@ from .dynamo import (
     skip_frames_of,
     source_name,
     subgraph_tracer_class,
+    tracker_getattr,
     unimplemented,
     user_function_variable,
     wrap_fx_proxy,
@@ -428,6 +427,7 @@ __all__ = [
     "storage_of",
     "strided_shard_type",
     "subgraph_tracer_class",
+    "tracker_getattr",
     "symbolic_fake_mode",
     "symm_mem_module",
     "symm_mem_rendezvous",

@@ -99,6 +99,13 @@ def source_name(source: Any) -> str:
     return str(name() if callable(name) else name)
 
 
+def tracker_getattr(tx: Any, tracker: Any, name: str) -> Any:
+    """``tracker.name`` as Dynamo traces it: a VariableTracker's ``var_getattr`` (2.11 to 2.13), renamed
+    ``tp_getattro_impl`` after CPython's type slots (2.14, 2.15)."""
+    getter = getattr(tracker, "tp_getattro_impl", None) or tracker.var_getattr
+    return getter(tx, name)
+
+
 def global_state_source() -> Any:
     """Dynamo's ``GlobalStateSource()``: the source of guards on global state (grad mode, default device).
 

@@ -74,7 +74,7 @@ def _refuse_untraceable_pass(tx: Any, state_vt: Any, pre: bool) -> None:
     Reads the state as the trace sees it (mutations earlier in this trace included), through
     Dynamo's trackers, so the reads are guarded like the polyfill's own.
     """
-    training = state_vt.var_getattr(tx, "_training_state").as_python_constant()
+    training = _compat.tracker_getattr(tx, state_vt, "_training_state").as_python_constant()
     if getattr(training, "name", None) == "FORWARD":  # TrainingState.FORWARD: eager FSDP2 hooks started it
         graph_breaks.graph_break(
             graph_breaks.FSDP_UNTRACED,
@@ -83,9 +83,9 @@ def _refuse_untraceable_pass(tx: Any, state_vt: Any, pre: bool) -> None:
         )
     if not pre:
         return
-    to_run = state_vt.var_getattr(tx, "_modules_to_run_forward")
+    to_run = _compat.tracker_getattr(tx, state_vt, "_modules_to_run_forward")
     starts = to_run.call_method(tx, "__len__", [], {}).as_python_constant() == 0
-    root = state_vt.var_getattr(tx, "_state_ctx").var_getattr(tx, "iter_forward_root")
+    root = _compat.tracker_getattr(tx, _compat.tracker_getattr(tx, state_vt, "_state_ctx"), "iter_forward_root")
     if starts and root.is_python_constant() and root.as_python_constant() is None:
         graph_breaks.graph_break(
             graph_breaks.FSDP_UNTRACED,
