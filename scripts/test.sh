@@ -3,13 +3,23 @@
 #   bash scripts/test.sh            # the default suite (what CI runs; tests marked slow are left out)
 #   bash scripts/test.sh -m ""      # everything, the slow tests too
 #   bash scripts/test.sh -k guards  # extra arguments go to pytest
-# Installs: torch 2.13.0 (CPU), this package with its [test] extras, and Debian's
-# chromium for the audit's HTML screenshot test when apt-get is usable (root).
+#   DYNAMO_EXT_TEST_TORCH=2.15.0 bash scripts/test.sh   # the suite on another torch release
+# Installs: torch ${DYNAMO_EXT_TEST_TORCH:-2.13.0} (2.13.0 is a CPU build; the registry's newer releases are
+# CUDA builds, about 5 GB, that run on the CPU), this package with its [test] extras, and Debian's chromium
+# for the audit's HTML screenshot test when apt-get is usable (root).  Stops if the torch that pip left
+# installed is not the release asked for (pip may pick another one to satisfy a dependency or a constraint).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-python -m pip install --quiet --disable-pip-version-check "torch==2.13.0" -e ".[test]"
+torch_version=${DYNAMO_EXT_TEST_TORCH:-2.13.0}
+python -m pip install --quiet --disable-pip-version-check "torch==$torch_version" -e ".[test]"
 rm -rf dynamo_ext.egg-info 2>/dev/null || true
+have=$(python -c 'import torch; print(torch.__version__.split("+")[0])')
+if [[ "$have" != "$torch_version" ]]; then
+  echo "scripts/test.sh: asked for torch $torch_version, pip left torch $have installed" >&2
+  exit 3
+fi
+echo "== torch $(python -c 'import torch; print(torch.__version__)')"
 
 if ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
   (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) \

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -41,6 +42,30 @@ def readme_main_command(readme: str) -> str:
     return found[0]
 
 
+def readme_torch_release(command: str) -> str:
+    """The torch release the README's main command pins (``torch==X.Y.Z``).
+
+    Raises:
+        ValueError: the command pins no torch release.
+    """
+    pinned = re.search(r"\btorch==([0-9][0-9.]*)", command)
+    if pinned is None:
+        raise ValueError(f"README.md's main command pins no torch release (torch==X.Y.Z): {command!r}")
+    return pinned.group(1)
+
+
+def runs_here(torch_version: str) -> bool:
+    """Whether this session runs the README's main command: only where its torch is the release the command pins.
+
+    NOTE [the main command in its release's session]: the command installs its own torch in a new virtual
+    environment whatever the session's torch is; it runs in the session of that release (CI's stage on the
+    newest release, ``.ci/run``) so that its plugin column, reused by ``test_audit_example.py``, is a run of
+    the session's release, and once per CI run.
+    """
+    command = readme_main_command((REPO / "README.md").read_text(encoding="utf-8"))
+    return torch_version.split("+")[0] == readme_torch_release(command)
+
+
 def _copy_tree(dest: Path) -> None:
     """The files ``git ls-files`` lists, from the working tree (NOTE [fresh copy, not git clone])."""
     listed = subprocess.run(
@@ -61,8 +86,14 @@ def _copy_tree(dest: Path) -> None:
 
 
 def _new_user_env(venv: Path) -> dict[str, str]:
-    """This process's environment as a new shell would have it: the new venv first on PATH, nothing of ours."""
+    """This process's environment as a new shell would have it: the new venv first on PATH, nothing of ours.
+
+    pip reads no configuration file (``PIP_CONFIG_FILE`` set to ``os.devnull``): this repository's machines
+    carry a pip config whose constraint caps torch below the release the command installs, which a user's
+    machine does not have.
+    """
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
+    env["PIP_CONFIG_FILE"] = os.devnull
     outer = os.environ.get("VIRTUAL_ENV") or (sys.prefix if sys.prefix != sys.base_prefix else "")
     path = [p for p in env.get("PATH", "").split(os.pathsep) if p and not (outer and p.startswith(outer))]
     env["PATH"] = os.pathsep.join([str(venv / "bin"), *path])
@@ -78,6 +109,7 @@ class ReadmeRun:
     proc: subprocess.CompletedProcess[str]
     tree: str  # the copy of the repository the command ran in (removed after the run)
     installed: str  # ``dynamo_ext.__file__`` in the new venv after the run
+    torch_version: str  # ``torch.__version__`` in the new venv after the run
     report: dict[str, Any] | None
     wall_s: float
 
@@ -98,13 +130,29 @@ def run_readme_main_command() -> ReadmeRun:
             ["bash", "-c", command], cwd=tree, env=_new_user_env(venv), capture_output=True, text=True, timeout=1500
         )
         wall = time.monotonic() - start
-        installed = subprocess.run(
-            [str(venv / "bin" / "python"), "-c", "import dynamo_ext; print(dynamo_ext.__file__)"],
-            cwd=tmp,
-            env=_new_user_env(venv),
-            capture_output=True,
-            text=True,
-        ).stdout.strip()
+        installed, _, torch_version = (
+            subprocess.run(
+                [
+                    str(venv / "bin" / "python"),
+                    "-c",
+                    "import dynamo_ext, torch; print(dynamo_ext.__file__); print(torch.__version__)",
+                ],
+                cwd=tmp,
+                env=_new_user_env(venv),
+                capture_output=True,
+                text=True,
+            )
+            .stdout.strip()
+            .partition("\n")
+        )
         out = tree / "out.json"
         report = json.loads(out.read_text()) if out.exists() else None
-    return ReadmeRun(command=command, proc=proc, tree=str(tree), installed=installed, report=report, wall_s=wall)
+    return ReadmeRun(
+        command=command,
+        proc=proc,
+        tree=str(tree),
+        installed=installed,
+        torch_version=torch_version,
+        report=report,
+        wall_s=wall,
+    )

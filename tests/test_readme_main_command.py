@@ -18,7 +18,8 @@ import json
 import shutil
 
 import pytest
-from readme_run import REPO, readme_main_command
+import torch
+from readme_run import REPO, readme_main_command, readme_torch_release, runs_here
 
 pytestmark = [pytest.mark.gloo, pytest.mark.fresh_venv]
 
@@ -28,9 +29,17 @@ def test_readme_main_command_is_found():
     assert cmd.startswith("pip install ") and "dynamo-ext audit" in cmd and "--json out.json" in cmd, cmd
     with pytest.raises(ValueError, match="expected one line starting 'pip install'"):
         readme_main_command("pip install foo\n")
+    assert readme_torch_release("pip install torch==2.15.0 -e . && dynamo-ext audit") == "2.15.0"
+    with pytest.raises(ValueError, match="pins no torch release"):
+        readme_torch_release("pip install torch -e . && dynamo-ext audit")
 
 
 @pytest.mark.skipif(shutil.which("git") is None, reason="needs git to list the repository's files")
+@pytest.mark.skipif(
+    not runs_here(torch.__version__),
+    reason="the README's main command runs in the session of the torch release it pins (CI's stage on that release; "
+    "NOTE [the main command in its release's session] in readme_run.py)",
+)
 def test_readme_main_command_in_a_new_venv(readme_main_command_run):
     run = readme_main_command_run
     proc = run.proc
@@ -38,6 +47,8 @@ def test_readme_main_command_in_a_new_venv(readme_main_command_run):
     print(f"README main command: exit {proc.returncode}, {run.wall_s:.0f} s wall")
     assert proc.returncode == 0, tail
     assert run.installed.startswith(run.tree), run.installed  # the copy, installed editable, is what ran
+    # the release the command pins is what ran (pip did not pick another one)
+    assert run.torch_version.split("+")[0] == readme_torch_release(run.command), (run.torch_version, run.command)
     report = run.report
     assert report is not None, tail
 
