@@ -62,11 +62,7 @@ from .compiled_autograd import (
     retraced_from,
     tensor_hooks,
 )
-from .config_module import (
-    config_defaults,
-    config_module,
-    install_checked_config_module,
-)
+from .config_module import config_defaults, config_module, install_checked_config_module
 from .distributed import (
     allowing_non_fake_inputs,
     async_collective_tensor_type,
@@ -199,9 +195,7 @@ from .inductor import (
     make_lowering,
     ops_handler,
 )
-from .probes import (
-    optional_attr,
-)
+from .probes import optional_attr
 from .structured_logs import (
     emit_structured_artifact,
     graph_break_being_logged,
@@ -227,9 +221,11 @@ from .tracing import (
     fake_mode_of,
     fake_tensor,
     free_unbacked_symbols,
+    global_state_functions,
     has_fake_tensor,
     holds_at_hints,
     invoke_subgraph_op,
+    is_float_symbol,
     is_higher_order_op,
     is_traceable_subclass,
     lazy_graph_module,
@@ -243,6 +239,7 @@ from .tracing import (
     shape_env_facts,
     storage_of,
     symbolic_fake_mode,
+    tensorify_leaving_alone,
     to_fake,
     torch_dispatch_mode_base,
     tracing_context,
@@ -340,6 +337,7 @@ __all__ = [
     "fsdp_unsharded_spec",
     "get_fake_value",
     "global_rank",
+    "global_state_functions",
     "global_state_source",
     "global_trace_state",
     "graph_break_being_logged",
@@ -372,6 +370,7 @@ __all__ = [
     "is_autograd_function_apply",
     "is_compiling_context",
     "is_device_mesh",
+    "is_float_symbol",
     "is_higher_order_op",
     "is_new_object",
     "is_opaque_fx_node",
@@ -436,6 +435,7 @@ __all__ = [
     "tcp_store",
     "tensor_hooks",
     "tensor_name_set",
+    "tensorify_leaving_alone",
     "to_fake",
     "torch_dispatch_mode_base",
     "tracing_context",

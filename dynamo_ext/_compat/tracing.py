@@ -259,3 +259,46 @@ def evaluate_guard(shape_env: Any, expr: Any) -> bool:
     """Evaluate a sympy condition on sizes at the current sizes, recording it as a guard of the frame being
     compiled (``ShapeEnv.evaluate_expr``)."""
     return bool(shape_env.evaluate_expr(expr))
+
+
+def is_float_symbol(symbol: Any) -> bool:
+    """Whether a sympy symbol stands for a Python float Dynamo made dynamic (``zf0``: ``SymT.FLOAT``,
+    ``torch.utils._sympy.symbol.symbol_is_type``, 2.11 to 2.15)."""
+    from torch.utils._sympy.symbol import SymT, symbol_is_type
+
+    return symbol_is_type(symbol, SymT.FLOAT)
+
+
+@contextlib.contextmanager
+def tensorify_leaving_alone(names: set[str]) -> Iterator[None]:
+    """While in the block, AOTAutograd's tensorify pass (``torch.fx.passes._tensorify_python_scalars``) does not
+    specialize the float symbols named ``names``.
+
+    The pass specializes every float symbol of the shape environment that the graph it runs on did not turn
+    into a tensor, and restarts Dynamo to pin them; it skips those ``TensorifyState`` already lists (2.11 to
+    2.15).  The names are listed for the block and taken off again after it (also when the pass restarts
+    Dynamo); a release without ``TensorifyState`` has no such pass and nothing is done.
+    """
+    state = optional_attr("torch._dynamo.symbolic_convert", "TensorifyState")
+    listed = getattr(state, "force_specializations", None)
+    if not isinstance(listed, set):
+        yield
+        return
+    added = names - listed
+    listed |= added
+    try:
+        yield
+    finally:
+        listed -= added
+
+
+def global_state_functions() -> tuple[Any, ...]:
+    """The calls of a Dynamo graph that set grad mode or autocast for the nodes after them
+    (``torch.amp._enter_autocast``, ``torch.amp._exit_autocast``, ``torch._C._set_grad_enabled``: what
+    ``split_module`` carries into each later submodule, its ``GLOBAL_STATE_NODES``, 2.11 to 2.15), in that order;
+    None in place of one this release lacks."""
+    return (
+        optional_attr("torch.amp", "_enter_autocast"),
+        optional_attr("torch.amp", "_exit_autocast"),
+        optional_attr("torch._C", "_set_grad_enabled"),
+    )
