@@ -1,38 +1,45 @@
-"""GPU benchmark: fused one-shot all-reduce + residual add + RMSNorm vs stock Inductor.
+"""GPU benchmark: fused all-reduce + residual add + RMSNorm (one-shot, two-shot) vs the unfused sequence.
 
-    python benchmarks/bench_fused_allreduce_gpu.py [--hidden 4096 8192] [--max-tokens 4096] [--world 2 4]
+    python benchmarks/bench_fused_allreduce_gpu.py [--hidden 4096 8192] [--max-tokens 8192] [--world 2 4 8]
+        [--dtypes bfloat16 float32] [--sweep-only] [--json PATH]
     python benchmarks/bench_fused_allreduce_gpu.py --interpret-smoke   # no GPU: tiny shapes, CPU, Triton interpreter
     torchrun --nproc-per-node 8 benchmarks/bench_fused_allreduce_gpu.py --world   # one rank per GPU, NVLink
 
-World size 1 (one GPU, an NCCL group of one rank), or under ``torchrun`` one rank per GPU
-(``WORLD_SIZE`` > 1: every rank times the same calls a fixed number of times, the
-slowest rank counts), bf16, Llama-style epilogue
-``weight * rmsnorm(all_reduce(x) + residual)``, for each hidden size and 1..max tokens:
+Two parts, Llama-style epilogue ``weight * rmsnorm(all_reduce(x) + residual)``, for each
+hidden size and 1..max tokens (powers of two):
 
-- ``stock``: ``torch.compile(backend="inductor")`` without the plugin: NCCL all-reduce,
-  then Inductor's own add + RMSNorm kernel;
-- ``kernel``: our one-shot Triton kernel launched directly on a symmetric-memory input;
-- ``compiled``: the same function compiled with the plugin and symmetric memory on
-  for the group, so the lowering picks the one-shot kernel (the input is a graph input
-  here, so Inductor first copies it into the comm buffer; in a real block the matmul
-  writes there directly).
+1. World size 1 (one GPU, an NCCL group of one rank), or under ``torchrun`` one rank per
+   GPU (``WORLD_SIZE`` > 1: every rank times the same calls a fixed number of times, the
+   slowest rank counts), bf16 (left out with ``--sweep-only``):
 
-Then, for each ``--world W`` > 1, the in-process harness (NOTE [in-process ranks] in
-``dynamo_ext/inductor_lowerings/kernels/harness.py``): W ranks as W streams on the one
-GPU, each with its own buffer and signal pad, the kernel ``ops.fused_all_reduce_algorithm``
-picks for the size (one-shot, two-shot, or none: then the row says "stock"), all W
-launched together and timed as one step.  Every rank's reads of its peers go to the
-same HBM, so this measures the kernels' barriers and their traffic on one device, not
-NVLink (benchmarks/README.md); stock has no W-rank equivalent in one process.
+   - ``stock``: ``torch.compile(backend="inductor")`` without the plugin: NCCL all-reduce,
+     then Inductor's own add + RMSNorm kernel;
+   - ``kernel``: the kernel ``ops.fused_all_reduce_algorithm`` picks, launched directly on a
+     symmetric-memory input;
+   - ``compiled``: the same function compiled with the plugin and symmetric memory on
+     for the group, so the lowering picks the fused kernel (the input is a graph input
+     here, so Inductor first copies it into the comm buffer; in a real block the matmul
+     writes there directly).
 
-Times are ``triton.testing.do_bench`` medians (µs).  GB/s counts the bytes the epilogue
-must move (every rank's input once, residual, both outputs, weight) and is compared
-with the device-to-device copy bandwidth measured at the start (``copy_`` of 1 GiB,
-read + write).
+   Times are ``triton.testing.do_bench`` medians (µs).
 
-``--interpret-smoke`` runs the same loop on the CPU: the kernel through the Triton
-interpreter on a host-shared buffer, ``stock`` compiled for the CPU on a fake group,
-wall-clock timers.  It checks the script, not the speed.
+2. For each ``--world W`` > 1 (one process), the sweep (NOTE [fused vs unfused on W
+   simulated ranks] in ``_fused_allreduce_sweep.py``): W ranks as W streams of the one
+   GPU; fused one-shot and fused two-shot against the unfused sequence (the all-reduce,
+   then Inductor's add + RMSNorm), bf16 and fp32, every variant checked against the fp32
+   reference; CUDA-event medians of ``--reps`` steps, effective bandwidth as a % of the
+   measured copy bandwidth, and the crossovers, printed and in ``--json``.  Every rank's
+   reads of its peers go to the same memory, so this measures the kernels' barriers and
+   traffic on one device, not NVLink (benchmarks/README.md).
+
+GB/s counts the bytes the epilogue must move (every rank's input once, residual, both
+outputs, weight) against the device-to-device copy bandwidth measured at the start
+(``copy_`` of 1 GiB, bytes read + written).
+
+``--interpret-smoke`` runs both parts on the CPU: the kernels through the Triton
+interpreter (host-shared buffers at world size 1, thread-ranks in the sweep), ``stock``
+compiled for the CPU on a fake group, the sweep's unfused sequence through Dynamo without
+Inductor, wall-clock timers.  It checks the script, not the speed.
 """
 
 from __future__ import annotations
@@ -47,7 +54,8 @@ import types
 from collections.abc import Callable
 from typing import Any
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [HERE, os.path.join(HERE, "..", "scripts"), os.path.join(HERE, "..")]
 
 
 def epilogue(x, residual, weight, group_name: str):
@@ -151,69 +159,9 @@ def _peer_input(smoke: bool, tmp: str, tokens: int, hidden: int, dtype: Any, gro
     return x, PeerBuffers.from_symmetric_memory(x, group_name)
 
 
-def _harness_rows(timer: Timer, smoke: bool, shapes: list[Any], data: dict[Any, Any], worlds: list[int]) -> list[Any]:
-    """(world, hidden, tokens, kernel, µs per step, GB/s) per W > 1 and shape, from the in-process harness."""
+def _world_one(smoke: bool, hiddens: list[int], max_tokens: int) -> None:
+    """World size 1 (one GPU, an NCCL group of one rank) or one rank per GPU under torchrun: stock, kernel, compiled."""
     import torch
-
-    from dynamo_ext.inductor_lowerings import ops
-    from dynamo_ext.inductor_lowerings.kernels import harness
-    from dynamo_ext.inductor_lowerings.kernels import two_shot_all_reduce_rms_norm as two_shot
-
-    if not worlds or (not smoke and not torch.cuda.is_available()):
-        return []
-    device = torch.device("cpu" if smoke else "cuda")
-    rows = []
-    for world in worlds:
-        if world < 2:
-            continue
-        for hidden, tokens in shapes:
-            x, res, w = data[(hidden, tokens)]
-            nbytes = x.numel() * x.element_size()
-            algorithm = ops.fused_all_reduce_algorithm(nbytes)
-            if algorithm is None:
-                rows.append((world, hidden, tokens, None, 0.0, 0.0))
-                continue
-            size = max(nbytes, two_shot.staging_nbytes(tuple(x.shape), x.dtype, x.dtype)) + 256
-            ranks = harness.InProcessRanks(world, size, device, max_blocks=8)
-            xs = [ranks.input(r, tuple(x.shape), x.dtype) for r in range(world)]
-            for xr in xs:
-                xr.copy_(x)
-            casts = {"upcast": torch.float32, "mid_dtype": x.dtype}
-            got = ranks.launch(algorithm, xs, res, w, eps=1e-6, **casts)[0][1]
-            want = harness.reference_same_order([x] * world, res, w, eps=1e-6, **casts)[1]
-            torch.testing.assert_close(got.cpu(), want, rtol=2**-7, atol=2**-7)
-            us = timer.us(
-                lambda ranks=ranks, a=algorithm, xs=xs, res=res, w=w, c=casts: ranks.launch(
-                    a, xs, res, w, eps=1e-6, **c
-                )
-            )
-            moved = world * (
-                (world + 3) * nbytes + w.numel() * w.element_size()
-            )  # every rank: W inputs, residual, 2 outputs
-            rows.append((world, hidden, tokens, algorithm, us, moved / (us * 1e-6) / 1e9))
-    return rows
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--hidden", type=int, nargs="+", default=[4096, 8192])
-    parser.add_argument("--max-tokens", type=int, default=4096)
-    parser.add_argument("--interpret-smoke", action="store_true", help="no GPU: tiny shapes on the CPU interpreter")
-    parser.add_argument(
-        "--world", type=int, nargs="*", default=[2, 4], help="in-process ranks on the one GPU (none under torchrun)"
-    )
-    a = parser.parse_args()
-    smoke = a.interpret_smoke
-    if smoke:
-        os.environ["TRITON_INTERPRET"] = "1"  # before the kernel module is imported
-        hiddens, max_tokens = [64, 96], 4
-    else:
-        hiddens, max_tokens = a.hidden, a.max_tokens
-    import torch
-
-    if not smoke and not torch.cuda.is_available():
-        print("no CUDA device: nothing to measure (run on a GPU, or --interpret-smoke to check the script)")
-        return
     import torch.distributed as dist
 
     import dynamo_ext
@@ -280,7 +228,6 @@ def main() -> None:
             rows.append((hidden, tokens, stock[s], kernel_us, compiled_us, nbytes / (kernel_us * 1e-6) / 1e9))
         dynamo_ext.uninstall()
         dist.destroy_process_group()
-        harness_rows = _harness_rows(timer, smoke, shapes, data, a.world) if world_size == 1 else []
     if int(os.environ.get("RANK", "0")) != 0:
         return
 
@@ -295,19 +242,80 @@ def main() -> None:
             f"{hidden:6d} {tokens:6d} {s_us:9.1f} {k_us:9.1f} {c_us:11.1f} {s_us / k_us:11.2f}x "
             f"{gbs:11.1f} {100 * gbs / copy_gbs:8.1f}%"
         )
-    if harness_rows:
-        print(f"\nW in-process ranks on {where} (one stream each, launched together; one HBM, no NVLink)")
-        print(
-            f"{'world':>5s} {'hidden':>6s} {'tokens':>6s} {'kernel':>8s} {'step us':>9s} {'GB/s':>8s} {'% of copy':>9s}"
-        )
-        for world, hidden, tokens, algorithm, us, gbs in harness_rows:
-            if algorithm is None:
-                print(f"{world:5d} {hidden:6d} {tokens:6d} {'stock':>8s} {'-':>9s} {'-':>8s} {'-':>9s}")
-                continue
-            print(
-                f"{world:5d} {hidden:6d} {tokens:6d} {algorithm:>8s} {us:9.1f} {gbs:8.1f} {100 * gbs / copy_gbs:8.1f}%"
-            )
+
+
+def _sweep(a: argparse.Namespace, smoke: bool, worlds: list[int]) -> int:
+    """The W-rank sweep (NOTE [fused vs unfused on W simulated ranks]); 1 when a variant gave a wrong number."""
+    import _fused_allreduce_sweep as sweep
+    import torch
+    from gpu_check_watchdog import JsonPart, Watchdog
+
+    if smoke:  # the script's paths, not its speed: tiny sizes, a few steps, Dynamo without Inductor
+        hiddens, tokens, reps, warmup = [64], [1, 4], 2, 0
+    else:
+        hiddens, reps, warmup = a.hidden, a.reps, a.warmup
+        tokens = [1 << i for i in range(a.max_tokens.bit_length()) if 1 << i <= a.max_tokens]
+    part = JsonPart(a.json)
+    where = "CPU, Triton interpreter (script check only)" if smoke else torch.cuda.get_device_name()
+    part.set(device=where, worlds=worlds, hiddens=hiddens, tokens=tokens, dtypes=a.dtypes, reps=reps, warmup=warmup)
+    watchdog = None
+    if a.watchdog_s:
+        watchdog = Watchdog(a.watchdog_s, name="bench", on_fire=lambda report: part.set(watchdog=report)).start()
+    deadline = time.monotonic() + (a.deadline_s or 1e9)
+    print(f"\nW in-process ranks on {where} (one stream each; one memory, no NVLink)")
+    print(sweep.header())
+    rows = sweep.run_sweep(
+        worlds=worlds,
+        hiddens=hiddens,
+        tokens=tokens,
+        dtypes=a.dtypes,
+        cuda=not smoke,
+        part=part,
+        watchdog=watchdog,
+        reps=reps,
+        warmup=warmup,
+        unfused_backend="eager" if smoke else a.unfused_backend,
+        deadline=deadline,
+    )
+    if watchdog is not None:
+        watchdog.stop()
+    print(f"\ncopy bandwidth {part.data['copy_gbs']} GB/s; crossovers (tokens; None: never / from the first size)")
+    print("\n".join(sweep.format_crossovers(part.data["crossovers"])))
+    wrong = [r for r in rows if not all(r[f"{v}_ok"] for v in ("one_shot", "two_shot"))]
+    part.set(wrong_rows=len(wrong), done=True)
+    return 1 if wrong else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--hidden", type=int, nargs="+", default=[4096, 8192])
+    parser.add_argument("--max-tokens", type=int, default=8192, help="tokens 1, 2, 4, ... up to this")
+    parser.add_argument("--interpret-smoke", action="store_true", help="no GPU: tiny shapes on the CPU interpreter")
+    parser.add_argument(
+        "--world", type=int, nargs="*", default=[2, 4, 8], help="in-process ranks on the one GPU (none under torchrun)"
+    )
+    parser.add_argument("--sweep-only", action="store_true", help="only the W-rank sweep, not the world-size-1 rows")
+    parser.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"], choices=["bfloat16", "float32"])
+    parser.add_argument("--reps", type=int, default=100, help="timed steps per size (the median is reported)")
+    parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--unfused-backend", default="inductor", help="torch.compile backend of the unfused sequence")
+    parser.add_argument("--json", help="the sweep's rows, crossovers and copy bandwidth (rewritten after each size)")
+    parser.add_argument("--deadline-s", type=float, default=0, help="stop the sweep after this many seconds (0: none)")
+    parser.add_argument("--watchdog-s", type=float, default=0, help="end a run stuck this long, with the ranks' state")
+    a = parser.parse_args(argv)
+    smoke = a.interpret_smoke
+    if smoke:
+        os.environ["TRITON_INTERPRET"] = "1"  # before the kernel module is imported
+    import torch
+
+    if not smoke and not torch.cuda.is_available():
+        print("no CUDA device: nothing to measure (run on a GPU, or --interpret-smoke to check the script)")
+        return 0
+    if not a.sweep_only:
+        _world_one(smoke, [64, 96] if smoke else a.hidden, 4 if smoke else a.max_tokens)
+    worlds = [w for w in a.world if w > 1] if int(os.environ.get("WORLD_SIZE", "1")) == 1 else []
+    return _sweep(a, smoke, worlds) if worlds else 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())
