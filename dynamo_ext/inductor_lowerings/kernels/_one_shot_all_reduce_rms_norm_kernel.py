@@ -15,6 +15,36 @@ atomic only within one process (the Triton interpreter), and every slot is zero
 again when the kernel returns.  Programs of one rank never wait on each other, so
 no co-residency is needed, and an interpreter that runs programs one after another
 in the same order on every rank cannot deadlock.
+
+NOTE [barrier memory ordering]
+Why data written before a handshake is seen after it, in the PTX memory model (the
+same pattern as PyTorch's symmetric-memory ``sync_remote_blocks`` and vLLM's custom
+all-reduce):
+
+1. ``tl.debug_barrier()`` (``bar.sync``) before the signalling CAS orders every memory
+   access of every thread of the program before the one lane per peer that signals.
+2. The signal is ``atom.release.sys.cas``.  A release is cumulative: the accesses
+   ordered before it, other threads' included (1), are visible to any thread that
+   acquires the same slot and reads the value it wrote.  The scope is ``sys`` because
+   the peers are other GPUs reading and writing over NVLink; ``gpu`` scope orders
+   nothing for them.
+3. The receiver's ``atom.acquire.sys.cas`` reads that 1 (and lowers it), then
+   ``tl.debug_barrier()`` orders every thread's later accesses after the acquire.
+   So on entry, a peer's input, written by its producer kernel earlier on its stream
+   (stream order puts those writes before the peer kernel's release), is seen by
+   every program that then reads it; in the two-shot kernel's middle barrier the
+   staged slices are seen the same way.
+4. On exit the order runs the other way: release orders earlier loads as well as
+   stores, so a rank's reads of its peers' buffers happen before the peers acquire
+   its signal, and with it before their kernels end and their next producers
+   overwrite those buffers.
+5. Peer data is read and written with plain loads and stores; only the atomics carry
+   ordering, and the compiler moves no memory access across them or ``bar.sync``.
+
+What one GPU cannot check: the in-process harness puts every rank on one device,
+where ``gpu`` scope would already suffice and every access goes to the same memory,
+so a missing ``sys`` scope or a reordering across NVLink would still pass there; only
+a run on several GPUs shows this argument holds on the hardware.
 """
 
 # ruff: noqa: N803  (Triton constexpr parameters are UPPER_CASE, house style)
