@@ -58,9 +58,12 @@ from torch.fx.node import map_arg
 from .. import _compat, config
 from .._patching import Patcher
 from ..fx.nodes import container_item, is_invoke_subgraph, static_layout, traced_outputs
-from ..fx.ops import op_signature, target_name
+from ..fx.ops import op_signature
 from .split_backward import backward_partition, flat_backward_graph
-from .symbols import canonical_names, input_symbols, may_rename, size_key, symbol_facts
+from .split_floats import compile_keeping_floats, float_symbols, floats_cross_cuts, floats_into_readers
+from .split_key import structural_key
+from .split_state import copied, follows_submodule_order, in_submodule_order, states_before
+from .symbols import input_symbols, may_rename
 
 log = logging.getLogger(__name__)
 
@@ -126,9 +129,14 @@ def _sink_into_consumers(nodes: list[torch.fx.Node], partition: dict[torch.fx.No
     pre-forward, the output projection reads them at the end) would be an output of the first submodule and
     an input of the last: the last one's backward would save it, where the one graph's partitioner
     recomputes it (FSDP2's re-gather in backward).  Moved to its reader, it is recomputed there as before.
-    Only nodes without side effects move (``Node.is_impure``: no random op, no in-place method); the moves
-    depend on the graph's ops alone, the same on every rank.
+    Only nodes without side effects move (``Node.is_impure``: no random op, no in-place method), and only where
+    they run under the grad mode and autocast of their place (NOTE [grad mode and autocast across cuts]); the
+    moves depend on the graph's ops alone, the same on every rank.
     """
+    states = states_before(nodes)
+    first: dict[int, torch.fx.Node] = {}
+    for n in nodes:
+        first.setdefault(partition[n], n)
     for n in reversed(nodes):
         if partition[n] != 0 or not n.users or n.op not in ("call_function", "call_method", "get_attr"):
             continue
@@ -136,133 +144,8 @@ def _sink_into_consumers(nodes: list[torch.fx.Node], partition: dict[torch.fx.No
             continue
         readers = {partition[u] for u in n.users}
         if len(readers) == 1 and (target := readers.pop()) > 1:  # not into the first block: it reads h anyway
-            partition[n] = target
-
-
-_VALUE_TYPES = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.memory_format, torch.layout)
-
-
-def _constant_key(value: Any, names: dict[Any, Any] | None = None) -> Any:
-    """A value of a node's arguments as a key: by value for plain data, placements and device meshes, a symbolic
-    one by its expression (its symbols renamed by ``names``), by identity otherwise (a function, a process
-    group, a module: equal only when the same object)."""
-    if isinstance(value, torch.fx.Node):
-        raise AssertionError("nodes are keyed by position")
-    if isinstance(value, _VALUE_TYPES):
-        return (type(value).__name__, value)
-    if isinstance(value, list | tuple):
-        return (type(value).__name__, tuple(_constant_key(v) for v in value))
-    if isinstance(value, dict):
-        return ("dict", tuple((k, _constant_key(v)) for k, v in value.items()))
-    if isinstance(value, slice):
-        return ("slice", _constant_key((value.start, value.stop, value.step)))
-    if isinstance(value, torch._ops.OpOverload | torch._ops.OpOverloadPacket | torch._ops.HigherOrderOperator):
-        return ("op", str(value))
-    if isinstance(value, torch.SymInt | torch.SymFloat | torch.SymBool):
-        key = size_key(value, names)
-        return ("symbolic", id(value)) if key is None else key  # an unbacked value: equal only to itself
-    if _compat.is_placement(value):
-        return ("placement", repr(value))
-    if _compat.is_device_mesh(value):
-        return ("mesh", value)
-    return ("object", type(value).__qualname__, id(value))
-
-
-def _function_key(fn: Any) -> Any:
-    """A call target as a key: a closure by its code, defaults and the objects its cells hold (compiled
-    autograd makes one ``call_aot_bwd_prologue`` closure per AOTAutograd backward it copies, over the same
-    compiled function's prologue), any other callable by identity."""
-    code, cells = getattr(fn, "__code__", None), getattr(fn, "__closure__", None)
-    if code is None or not cells:
-        return id(fn)
-    try:
-        held = tuple(id(c.cell_contents) for c in cells)
-    except ValueError:  # an empty cell
-        return id(fn)
-    return (id(code), held, id(fn.__defaults__), id(fn.__kwdefaults__), id(fn.__globals__))
-
-
-def _tensor_key(value: Any, names: dict[Any, Any] | None = None) -> Any:
-    if not isinstance(value, torch.Tensor):
-        return _constant_key(value, names)
-    shape = tuple(size_key(s, names) for s in value.shape)
-    stride = tuple(size_key(s, names) for s in value.stride())
-    offset = size_key(value.storage_offset(), names)
-    if None in (*shape, *stride, offset):
-        return ("symbolic", id(value))  # an unbacked size: this input is its own, the submodule compiled alone
-    spec = _compat.dtensor_spec_key(value)
-    return (
-        type(value).__qualname__,
-        shape,
-        stride,
-        offset if spec is None else None,
-        value.dtype,
-        value.device,
-        value.requires_grad and torch.is_grad_enabled(),  # AOTAutograd differentiates only under grad mode
-        spec,
-    )
-
-
-def _graph_key(gm: torch.fx.GraphModule) -> tuple[Any, ...]:
-    index: dict[torch.fx.Node, int] = {}
-    out: list[Any] = []
-
-    def arg(a: Any) -> Any:
-        if isinstance(a, torch.fx.Node):
-            return ("node", index[a])
-        if isinstance(a, list | tuple):
-            return (type(a).__name__, tuple(arg(x) for x in a))
-        if isinstance(a, dict):
-            return ("dict", tuple((k, arg(v)) for k, v in a.items()))
-        return _constant_key(a)
-
-    for n in gm.graph.nodes:
-        index[n] = len(index)
-        if n.op in ("get_attr", "call_module"):
-            sub = gm.get_submodule(str(n.target)) if n.op == "call_module" else getattr(gm, str(n.target))
-            if isinstance(sub, torch.fx.GraphModule):
-                target = ("graph", _graph_key(sub))
-            elif isinstance(sub, torch.Tensor):
-                target = ("tensor", id(sub))
-            else:
-                target = ("object", id(sub))
-        elif n.op == "placeholder":
-            target = None
-        else:
-            target = (
-                ("fn", _function_key(n.target), target_name(n.target)) if callable(n.target) else ("name", n.target)
-            )
-        out.append((n.op, target, arg(n.args), arg(n.kwargs)))
-    return tuple(out)
-
-
-def structural_key(gm: torch.fx.GraphModule, inputs: list[Any]) -> tuple[Any, ...]:
-    """What a compiled submodule depends on: its graph (ops, targets, constants, bodies) and its inputs'
-    metadata (type, shape, stride, dtype, device, ``requires_grad``, a DTensor's mesh and placements) and which
-    of them share storage.  Two submodules with equal keys compute the same function of their inputs.
-
-    Size symbols are named by their order among the inputs, with their value ranges (NOTE [blocks that
-    differ only in their size symbols]): two keys may be equal for inputs with other symbols, which
-    :func:`compile_blocks` shares only after :func:`.symbols.carry_guards`."""
-    storages: dict[Any, int] = {}
-    alias: list[Any] = []
-    for x in inputs:
-        if not isinstance(x, torch.Tensor):
-            alias.append(None)
-            continue
-        try:
-            storage = _compat.local_tensor_of(x).untyped_storage()._cdata
-        except (RuntimeError, NotImplementedError):  # no storage (a sparse or nested tensor): its own
-            storage = ("own", id(x))
-        alias.append(storages.setdefault(storage, len(storages)))
-    symbols = input_symbols(inputs)
-    names = canonical_names(symbols)
-    return (
-        _graph_key(gm),
-        tuple(_tensor_key(x, names) for x in inputs),
-        tuple(alias),
-        symbol_facts(inputs, symbols),
-    )
+            if states is None or states[n] == states[first[target]]:  # it runs just before that submodule's first
+                partition[n] = target
 
 
 _state = threading.local()
@@ -297,21 +180,21 @@ def compile_blocks(
     partition: dict[torch.fx.Node, int],
     example_inputs: list[Any],
     compile_one: Callable[[torch.fx.GraphModule, list[Any]], Any],
-) -> torch.fx.GraphModule:
+) -> torch.fx.GraphModule | None:
     """Split ``gm`` by ``partition`` and compile each submodule with ``compile_one``, once per structural key.
 
     Submodules are visited in order with fake values: each one's outputs are Dynamo's fake values of them, or
     come from running it on its fake inputs (``fx.nodes.traced_outputs``), before it is compiled (their strides are
     eager's; Inductor keeps a graph's output strides, ``keep_output_stride``), and each compile runs in its own copy of Dynamo's ``TracingContext``, so the
-    forward metadata AOTAutograd leaves there is the one its lazily compiled backward reads.  Returns the
-    split GraphModule, each ``call_module`` calling a compiled callable.
+    forward metadata AOTAutograd leaves there is the one its lazily compiled backward reads; the tensorify pass
+    leaves the other submodules' floats alone (NOTE [dynamic floats in the block split]).  Returns the split
+    GraphModule, each ``call_module`` calling a compiled callable, or None (logged) when ``split_module`` cannot
+    cut ``gm``: the caller compiles it whole.
     """
-    from torch.fx.passes.split_module import split_module
-
-    split = split_module(gm, gm, lambda n: partition[n])  # partitions in topological order
-    _, propagate_dynamo_source, propagate_metadata = _compat.ddp_submod_compiler()
-    propagate_dynamo_source(gm, split)
-    propagate_metadata(gm, split)
+    split = _cut(gm, partition)
+    if split is None:
+        return None
+    graph_floats = float_symbols(gm.graph.nodes)
     fake_mode = _compat.fake_mode_of(example_inputs)
     compiled: dict[Any, _Compiled] = {}
     compiles = reused = 0
@@ -340,8 +223,9 @@ def compile_blocks(
                         hit = None
                     if hit is None:
                         with _compat.own_tracing_context():
-                            hit = _Compiled(compile_one(sub, args), single, symbols)
-                        if key is not None:
+                            fn, pinned = compile_keeping_floats(compile_one, sub, args, graph_floats)
+                        hit = _Compiled(fn, single, symbols)
+                        if key is not None and not pinned:
                             compiled.setdefault(key, hit)
                         compiles += 1
                     else:
@@ -363,6 +247,46 @@ def compile_blocks(
         "" if config.reuse_block_compiles else " (config.reuse_block_compiles off)",
     )
     return split
+
+
+def _cut(gm: torch.fx.GraphModule, partition: dict[torch.fx.Node, int]) -> torch.fx.GraphModule | None:
+    """``split_module``'s cut of ``gm`` (partitions in topological order) with Dynamo's sources and metadata on
+    each submodule, or None, logged with the reason, where it cannot cut it (NOTE [grad mode and autocast across
+    cuts])."""
+    from torch.fx.passes.split_module import split_module
+
+    try:
+        split = split_module(gm, gm, lambda n: partition[n])
+        _, propagate_dynamo_source, propagate_metadata = _compat.ddp_submod_compiler()
+        propagate_dynamo_source(gm, split)
+        propagate_metadata(gm, split)
+    except Exception as e:  # whatever split_module refuses (an assertion, a cycle), the graph compiles whole
+        log.warning(
+            "blocks compiled once: the graph cannot be cut at its blocks (%s: %s); compiled whole", type(e).__name__, e
+        )
+        return None
+    return split
+
+
+def _prepared(
+    gm: torch.fx.GraphModule, partition: dict[torch.fx.Node, int]
+) -> tuple[torch.fx.GraphModule, dict[torch.fx.Node, int]] | None:
+    """The graph to cut and its partition: ``gm``, or a copy in which each SymFloat a later submodule reads is made
+    again there (NOTE [dynamic floats in the block split]) and, where the graph switches grad mode or autocast,
+    the nodes are in submodule order (NOTE [grad mode and autocast across cuts]); None to compile ``gm`` whole."""
+    floats = floats_cross_cuts(gm, partition)
+    switches = states_before(list(gm.graph.nodes)) is not None
+    if not floats and (not switches or follows_submodule_order(gm, partition)):
+        return gm, partition
+    gm, partition = copied(gm, partition)
+    if floats:
+        log.debug("blocks compiled once: %d scalar nodes made again where read", floats_into_readers(gm, partition))
+    if switches and not in_submodule_order(gm, partition):
+        log.info(
+            "blocks compiled once: grad mode or autocast switches, and no order of the graph puts its blocks one after another; compiled whole"
+        )
+        return None
+    return gm, partition
 
 
 def _dynamic_tensor(value: Any) -> bool:
@@ -406,9 +330,12 @@ def _split_and_compile(
     if plan is None:
         return None
     graph, partition, flat = plan
-    if flat is None:
-        return compile_blocks(graph, partition, example_inputs, compile_one)
-    return flat.boxed(compile_blocks(graph, partition, flat.inputs(list(example_inputs)), compile_one))
+    prepared = _prepared(graph, partition)
+    if prepared is None:
+        return None
+    inputs = list(example_inputs) if flat is None else flat.inputs(list(example_inputs))
+    split = compile_blocks(*prepared, inputs, compile_one)
+    return split if split is None or flat is None else flat.boxed(split)
 
 
 def _wrapped_compile_fx(original: Callable[..., Any]) -> Callable[..., Any]:
