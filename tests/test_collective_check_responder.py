@@ -68,7 +68,8 @@ def test_the_responder_answers_from_history_and_waits_for_positions_not_reached(
     history, issued = History(), {"0": 0}
     plan = GroupPlan("0", (0, 1), (_c(10), _c(12)), "whole", bucketed=True)
 
-    def write(gkey, start, plan, merged, first):
+    def write(gkey, row, first):
+        start, plan, merged, _ = row
         write_entries(
             store,
             gkey,
@@ -81,7 +82,7 @@ def test_the_responder_answers_from_history_and_waits_for_positions_not_reached(
     alive = [True]
     responder = Responder(store, 1, history, issued, write, lambda: alive[0])
     try:
-        history.get("0").append((0, plan, True))
+        history.get("0").append((0, plan, True, 1))
         issued["0"] = 2
         ask(store, 1, "g0", "0", 1)  # rank 0 waits at position 1, which rank 1 ran unchecked
         assert _wait_for(store, "g0/e/1/1")
@@ -89,7 +90,7 @@ def test_the_responder_answers_from_history_and_waits_for_positions_not_reached(
         ask(store, 1, "g0", "0", 2)  # not reached yet: answered once rank 1 runs it
         time.sleep(0.3)
         assert not store.check(["g0/e/2/1"])
-        history.get("0").append((2, plan, False))
+        history.get("0").append((2, plan, False, 2))
         issued["0"] = 4
         assert _wait_for(store, "g0/e/2/1")
         assert b'"m": false' in store.get("g0/e/2/1")

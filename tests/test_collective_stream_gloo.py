@@ -1,9 +1,9 @@
 """The collective check on the stream, on 2 real gloo ranks: graph boundaries may differ per rank.
 
 Correct programs whose ranks compile different graphs (a ``print`` on rank 0
-only, a rank-dependent data dependency between two collectives) run and give
-eager's values, with ``aot_eager`` and with Inductor (whose bucketing pass
-merges only what every rank agrees on); divergent programs whose graphs look
+only, also between collectives of two groups; a rank-dependent data dependency
+between two collectives) run and give eager's values, with ``aot_eager`` and
+with Inductor (whose bucketing pass merges only what every rank agrees on); divergent programs whose graphs look
 alike (an agreed graph run on rank 0 only; two different lines issuing
 all-reduces of equal shape) raise ``CollectiveMismatchError`` on every rank
 within the check's timeout instead of hanging or pairing the wrong collectives.
@@ -54,6 +54,27 @@ def _dependency_case(rank: int):
     def args(step):
         g = torch.Generator().manual_seed(20 * step + rank)
         return torch.randn(4, generator=g), torch.randn(3, generator=g)
+
+    return fn, args
+
+
+def _two_groups_print_case(rank: int):
+    """A graph break on rank 0 between an all-reduce on group A and two on group B (over the same ranks): rank
+    1's one graph covers both groups, rank 0 reaches B's only after A's all-reduce completes (NOTE [collective
+    stream check]); with Inductor, B's two all-reduces are a bucket on both ranks, decided where it runs."""
+    group_a, group_b = dist.new_group([0, 1]), dist.new_group([0, 1])
+
+    def fn(a, b, c):
+        x = funcol.all_reduce(a, "sum", group_a)
+        if rank == 0:
+            print("rank 0 only: a graph break between groups A and B")
+        y = funcol.all_reduce(b, "sum", group_b)
+        z = funcol.all_reduce(c, "sum", group_b)
+        return x * 2, y + 1, z - 1
+
+    def args(step):
+        g = torch.Generator().manual_seed(40 * step + rank)
+        return torch.randn(4, generator=g), torch.randn(3, generator=g), torch.randn(5, generator=g)
 
     return fn, args
 
@@ -139,7 +160,7 @@ def _rank(rank: int, world: int, backend: str) -> dict:
     # well over 10 s for Inductor on a loaded machine); divergent ones: a small one, which they must not reach.
     config.collective_check_timeout_s = 300.0
     out: dict = {}
-    for name, case in (("print", _print_case), ("dependency", _dependency_case)):
+    for name, case in (("print", _print_case), ("dependency", _dependency_case), ("groups", _two_groups_print_case)):
         torch._dynamo.reset()
         fn, make_args = case(rank)
         compiled = torch.compile(fn, backend=backend)
@@ -184,6 +205,11 @@ def test_rank_dependent_graph_break_runs_with_eager_values(results):
 def test_rank_dependent_data_dependency_runs_with_eager_values(results):
     backend, res = results
     assert [res[r]["dependency"] for r in range(WORLD)] == [[True] * 3] * WORLD, backend
+
+
+def test_rank_dependent_graph_break_between_two_groups_runs_with_eager_values(results):
+    backend, res = results
+    assert [res[r]["groups"] for r in range(WORLD)] == [[True] * 3] * WORLD, backend
 
 
 def test_rank_dependent_graph_break_after_agreement_runs_with_eager_values(results):

@@ -17,30 +17,60 @@ issued outside compiled graphs: the process group's own count
 some ranks only would then shift every later position on them.
 
 At a check (:func:`agree`) a rank writes one entry per position of its graph
-under ``<epoch>/<group>/e/<position>/<rank>`` in the default group's store (the
-graph's later positions first, its first position last, so a peer that sees
-the first sees them all), then waits, bounded, for every peer of the group to
-have written the *first* position, and compares each position where the peer
-has written an entry.  A peer that has not written a later position yet writes
-it after this rank did, and compares it then: every position two ranks both
-reach in a check is compared by at least one of them.  Waiting for every
-position would deadlock correct programs: with ``all_reduce(a); if rank == 0:
-print(); all_reduce(b)``, rank 1's one graph covers positions 0 and 1, but rank
-0's second graph (position 1) runs only after the all-reduce at position 0
-completes, which needs rank 1.
+under ``<epoch>/<group>/e/<position>/<rank>`` in the default group's store, in
+reverse graph order over all the graph's groups (the graph's first collective
+last, so a peer that sees an entry sees every later one of the same graph).
+Then it waits, bounded, for each peer's entry at the graph's first collective
+that peer takes part in (for a peer in one group only: that group's first
+position), and compares every position where the peer has written an entry.  A
+peer that has not written a later position yet writes it after this rank did,
+and compares it then: every position two ranks both reach in a check is
+compared by at least one of them.  Waiting for more would deadlock correct
+programs: with ``all_reduce(a); if rank == 0: print(); all_reduce(b)``, rank 1's
+one graph covers both all-reduces, but rank 0's second graph runs only after the
+first all-reduce completes, which needs rank 1; the same holds when ``a`` and
+``b`` go to two different groups.
 
-A mismatch ends the check with :class:`CollectiveMismatchError` naming the
-group, the position and each rank's collective and line; the rank writes the
-group's abort key (``<epoch>/<group>/a``), so a peer waiting in a check of that
-group raises too, and every later check of the group raises at once (call
-:func:`.stream.reset` on every rank to go on).  While it waits, a rank also
-publishes where it waits (``w/<rank>``); a peer that waits in another group
-for this rank at a position this rank has not written cannot be satisfied (the
-two wait for each other: another group, another order), which is a mismatch
-too.  Only a peer that never writes the position (it issues eager collectives
-there, or runs, unchecked, a graph it ran before in the same context; it died)
-makes the wait last ``config.collective_check_timeout_s``, or the default
-group's timeout when that is shorter, and then it is an error too.
+Each entry also says where the rank stands on its *other* groups (``"x"``:
+per group, the compiled collectives this rank issued on it before this one;
+NOTE [order across groups]).  A mismatch ends the check with
+:class:`CollectiveMismatchError` naming the group, the position and each
+rank's collective and line (or both groups and the position where their order
+differs); the rank writes the group's abort key (``<epoch>/<group>/a``), so a
+peer waiting in a check of that group raises too, and every later check of the
+group raises at once (call :func:`.stream.reset` on every rank to go on).
+While it waits, a rank also publishes where it waits (``w/<rank>``: the
+positions and the peers it waits for there); a peer that waits for this rank
+at a position this rank has not written cannot be satisfied (the two wait for
+each other: another group, another order), which is a mismatch too.  Only a
+peer that never writes the position (it issues eager collectives there, or
+runs, unchecked, a graph it ran before in the same context; it died) makes the
+wait last ``config.collective_check_timeout_s``, or the default group's timeout
+when that is shorter, and then it is an error too.
+
+NOTE [order across groups]
+Per group, the streams can agree while the ranks interleave two groups
+differently: rank 0 all-reduces on group A then on group B, rank 1 on B then A
+(one helper line issuing both, so every position of each group looks alike).
+Each rank then waits in its first collective for the other: a hang no
+per-group comparison sees.  So every entry carries, for each other group the
+writer has used, how many compiled collectives it issued there before this one
+(its stream position on that group; groups at 0 are left out).  Two ranks that
+are both in group G and in group H must issue G's position ``p`` after the same
+number of H's collectives; a rank compares that for each group both it and the
+peer belong to, and only those: in a 2-D mesh rank 0's tensor-parallel group
+is {0, 1} and rank 2's is {2, 3}, so ranks 0 and 2 (which share their
+data-parallel group only) compare no other group's count, while ranks 0 and 1
+compare their counts on the world group if both use it.  The counts compare
+the order between every two groups two ranks share, which is the order that
+makes them wait for each other; a cycle through three ranks that share no two
+groups (0 waits for 1 in group {0, 1}, 1 for 2 in {1, 2}, 2 for 0 in {0, 2})
+is not seen.  A rank's counts at a graph's start are its positions then (what
+:mod:`.stream` counts anyway), plus, per collective, those of the same graph's
+earlier collectives on other groups: no cost per call beyond the count.
+A responder's entry (NOTE [answering a peer's check]) rebuilds the counts
+from the rank's history; a group whose count is older than that history is
+listed as unknown (``"u"``) and not compared.
 
 The store is reached with set/check/get only, never a collective, so the check
 cannot itself hang on a rank that never comes.
@@ -78,6 +108,10 @@ class GroupRun:
         digest: the graph's collectives and data flow (:func:`.stream.graph_digest`); equal on
             ranks that compiled the same collectives with the same data flow between them.
         start: the stream position of ``records[0]`` on this group.
+        crossed: per record, ``(group, count)`` for each other group with collectives earlier in
+            the same graph (NOTE [order across groups]).
+        base: ``(group, position)`` for this rank's groups when the graph started (positions > 0).
+        unknown: groups whose position at the graph's start is not known (not compared).
     """
 
     group: str
@@ -85,53 +119,96 @@ class GroupRun:
     records: tuple[CollectiveSignature, ...]
     digest: str
     start: int
+    crossed: tuple[tuple[tuple[str, int], ...], ...] = ()
+    base: tuple[tuple[str, int], ...] = ()
+    unknown: frozenset[str] = frozenset()
+
+    def others(self, i: int) -> dict[str, int]:
+        """Per other group, the compiled collectives this rank issued on it before ``records[i]`` (0s left out)."""
+        counts = {g: n for g, n in self.base if g != self.group and n}
+        for g, n in self.crossed[i] if self.crossed else ():
+            counts[g] = counts.get(g, 0) + n
+        return counts
+
+    def index(self, i: int) -> int:
+        """Where ``records[i]`` comes among all the graph's checked collectives (0: the first)."""
+        return i + sum(n for _, n in self.crossed[i]) if self.crossed else i
 
 
 def _digest(text: str) -> str:
     return hashlib.sha1(text.encode()).hexdigest()[:16]
 
 
-def agree(runs: Sequence[GroupRun], *, store: Any, epoch: int | str, rank: int) -> dict[str, bool]:
-    """Compare ``runs`` with every peer's entries at the same positions (NOTE [collective stream check]).
+def group_key(group: str) -> str:
+    """The key of ``group`` in the check's store (the same on every rank)."""
+    return _digest(group)
+
+
+def agree(runs: Sequence[GroupRun], *, store: Any, epoch: int | str, rank: int) -> dict[str, bool | None]:
+    """Compare ``runs`` (one graph's, one per group) with every peer's entries at the same positions
+    (NOTE [collective stream check], NOTE [order across groups]).
 
     Returns, per group, whether every peer's entry at the run's first position
     starts a graph with the same digest: every rank of the group then runs the
     same collectives with the same data flow from there (what bucketing needs,
     NOTE [buckets only where ranks agree]).  Every rank of the group reads the
     same entries at that position, so they all return the same answer.
+    ``None`` where a peer's entry there is not written yet and every entry seen
+    agrees: the peer reaches that position only after an earlier collective of
+    this graph that it shares with this rank (its graph boundaries differ), so
+    the answer waits until this rank has issued that one (:func:`.stream.merge_decision`).
 
     Raises:
         CollectiveMismatchError: a peer's collective at a compared position
-            differs, a peer aborted one of these groups, a peer waits for this
-            rank elsewhere, or a peer did not write the first position within
-            the timeout.
+            differs, or the peer issued it after another number of collectives
+            of a group both ranks are in, a peer aborted one of these groups, a
+            peer waits for this rank elsewhere, or a peer did not write the
+            position this rank waits for within the timeout.
     """
     return _Check(runs, store, epoch, rank).run()
 
 
 class _Check:
     def __init__(self, runs: Sequence[GroupRun], store: Any, epoch: int | str, rank: int) -> None:
-        self.runs, self.rank = list(runs), rank
+        self.runs, self.rank = sorted(runs, key=lambda r: r.index(0)), rank  # graph order of first use
         self.store = exchange_store(store, epoch)
-        self.gkey = {r.group: _digest(r.group) for r in self.runs}
+        self.gkey = {r.group: group_key(r.group) for r in self.runs}
         store_timeout = getattr(getattr(store, "timeout", None), "total_seconds", lambda: float("inf"))()
         # No longer than a collective itself would wait: the store's timeout is init_process_group's.
         self.timeout_s = min(config.collective_check_timeout_s, store_timeout)
         self.peer_groups: set[str] = set()
+        self.waits = self._first_shared()
+        self._group_ranks: dict[str, tuple[int, ...]] = {r.group: r.ranks for r in self.runs}
 
     def _entry_key(self, gkey: str, position: int, rank: int) -> str:
         return f"{gkey}/e/{position}/{rank}"
 
-    def run(self) -> dict[str, bool]:
+    def _first_shared(self) -> dict[str, list[int]]:
+        """Per group, the peers this rank waits for at its run's first position: each peer where the graph
+        first issues a collective it takes part in (NOTE [collective stream check])."""
+        waits: dict[str, list[int]] = {}
+        placed = {self.rank}
+        for r in self.runs:
+            peers = [p for p in r.ranks if p not in placed]
+            placed.update(peers)
+            if peers:
+                waits[r.group] = peers
+        return waits
+
+    def run(self) -> dict[str, bool | None]:
         store, rank = self.store, self.rank
         for r in self.runs:
             self._raise_if_aborted(r)
-        for r in self.runs:
-            write_entries(store, self.gkey[r.group], r, rank)
-        store.set(f"w/{rank}", json.dumps([[self.gkey[r.group], r.start, list(r.ranks), r.group] for r in self.runs]))
+        write_graph(store, self.runs, rank)
+        by_group = {r.group: r for r in self.runs}
+        waiting = [
+            [self.gkey[g], by_group[g].start, list(by_group[g].ranks), g, peers] for g, peers in self.waits.items()
+        ]
+        store.set(f"w/{rank}", json.dumps(waiting))
         start = time.monotonic()
         try:
             firsts = self._wait_for_first_positions(start)
+            self._read_other_firsts(firsts)
             differences = [d for r in self.runs for d in self._compare(r, firsts)]
             if differences:
                 raise CollectiveMismatchError(self._message(differences))
@@ -144,18 +221,31 @@ class _Check:
         log.debug("collective stream check on rank %d: peers agree after %.3f s", rank, time.monotonic() - start)
         return {r.group: self._merge(r, firsts) for r in self.runs}
 
-    def _merge(self, r: GroupRun, firsts: dict[tuple[str, int], dict[str, Any]]) -> bool:
+    def _read_other_firsts(self, firsts: dict[tuple[str, int], dict[str, Any]]) -> None:
+        """Add the peers' entries at each run's first position that this rank did not wait for, where written."""
+        for r in self.runs:
+            for peer in r.ranks:
+                if peer != self.rank and (r.group, peer) not in firsts:
+                    key = self._entry_key(self.gkey[r.group], r.start, peer)
+                    if self.store.check([key]):
+                        firsts[(r.group, peer)] = json.loads(self.store.get(key))
+
+    def _merge(self, r: GroupRun, firsts: dict[tuple[str, int], dict[str, Any]]) -> bool | None:
         """Whether ``r``'s buckets run merged: every peer starts the same graph here, and merges where it decided.
 
         An entry a peer's responder wrote (NOTE [answering a peer's check]) says
         how that peer runs its buckets, decided at an earlier check: a peer that
-        merges where this rank's graph differs cannot be followed.
+        merges where this rank's graph differs cannot be followed.  ``None``
+        where a peer's entry is missing and every one seen agrees.
         """
-        merge = True
+        merge, missing = True, False
         for peer in r.ranks:
             if peer == self.rank:
                 continue
-            entry = firsts[(r.group, peer)]
+            entry = firsts.get((r.group, peer))
+            if entry is None:
+                missing = True
+                continue
             same = entry["s"] == r.start and entry["g"] == r.digest
             if entry.get("m") and not same:
                 message = self._message(
@@ -171,7 +261,7 @@ class _Check:
                 self.store.set(f"{self.gkey[r.group]}/a", f"rank {self.rank}: {message}")
                 raise CollectiveMismatchError(message)
             merge = merge and same and entry.get("m", True)
-        return merge
+        return None if missing and merge else merge
 
     def _raise_if_aborted(self, r: GroupRun) -> None:
         key = f"{self.gkey[r.group]}/a"
@@ -182,7 +272,7 @@ class _Check:
 
     def _wait_for_first_positions(self, start: float) -> dict[tuple[str, int], dict[str, Any]]:
         store = self.store
-        pending = {(r.group, p) for r in self.runs for p in r.ranks if p != self.rank}
+        pending = {(group, p) for group, peers in self.waits.items() for p in peers}
         by_group = {r.group: r for r in self.runs}
         firsts: dict[tuple[str, int], dict[str, Any]] = {}
         sleep = 0.0002
@@ -216,7 +306,9 @@ class _Check:
                 continue
             for i, mine in enumerate(r.records):
                 if i == 0:
-                    entry = firsts[(r.group, peer)]
+                    entry = firsts.get((r.group, peer))
+                    if entry is None:
+                        break  # the peer's graph there comes later (NOTE [collective stream check])
                 else:
                     key = self._entry_key(gkey, r.start + i, peer)
                     if not self.store.check([key]):
@@ -226,7 +318,52 @@ class _Check:
                 if not same_collective(mine, theirs, self.rank, peer):
                     out.append(self._difference(r, r.start + i, peer, mine, theirs))
                     break
+                crossing = self._crossing(r, i, peer, entry, theirs)
+                if crossing:
+                    out.append(crossing)
+                    break
         return out
+
+    def _ranks_of(self, group: str) -> tuple[int, ...]:
+        ranks = self._group_ranks.get(group)
+        if ranks is None:
+            ranks = self._group_ranks[group] = _compat.group_ranks(group)
+        return ranks
+
+    def _crossing(
+        self, r: GroupRun, i: int, peer: int, entry: dict[str, Any], theirs: CollectiveSignature
+    ) -> str | None:
+        """A difference when ``peer`` issued ``r.records[i]`` after another number of collectives of a group both
+        ranks are in (NOTE [order across groups])."""
+        their_counts = entry.get("x")
+        if their_counts is None:
+            return None
+        skip = {*entry.get("u", ()), *r.unknown, r.group}
+        mine = r.others(i)
+        for other in sorted({*mine, *their_counts} - skip):
+            a, b = mine.get(other, 0), int(their_counts.get(other, 0))
+            ranks = self._ranks_of(other)
+            if a == b or self.rank not in ranks or peer not in ranks:
+                continue
+            first, later = (self.rank, peer) if a > b else (peer, self.rank)
+            lines = (
+                f"the order of groups {r.group!r} (ranks {format_ranks(r.ranks)}) and {other!r} (ranks "
+                f"{format_ranks(ranks)}) differs between rank {self.rank} and rank {peer}: before position "
+                f"{r.start + i} of group {r.group!r}, rank {self.rank} issued {a} collective(s) on group {other!r} "
+                f"and rank {peer} {b}, so rank {first} issues position {min(a, b)} of group {other!r} before it "
+                f"and rank {later} after it:\n  rank {self.rank}: {_line(r.records[i])}\n  rank {peer}: {_line(theirs)}"
+            )
+            known = self._own_record(other, min(a, b))
+            if known is not None:
+                lines += f"\n  position {min(a, b)} of group {other!r} on rank {self.rank}: {_line(known)}"
+            return lines
+        return None
+
+    def _own_record(self, group: str, position: int) -> CollectiveSignature | None:
+        for r in self.runs:
+            if r.group == group and r.start <= position < r.start + len(r.records):
+                return r.records[position - r.start]
+        return None
 
     def _waiting_elsewhere(self, peer: int) -> str | None:
         """A difference when ``peer`` waits for this rank at a group position this rank has not written."""
@@ -236,15 +373,18 @@ class _Check:
         raw = self.store.get(key)
         if not raw:
             return None
-        for gkey, position, scope, group in json.loads(raw):
-            if self.rank not in scope or self.store.check([self._entry_key(gkey, position, self.rank)]):
+        for gkey, position, scope, group, *waited in json.loads(raw):
+            waits_for = waited[0] if waited else scope
+            if self.rank not in waits_for or self.store.check([self._entry_key(gkey, position, self.rank)]):
                 continue
             self.peer_groups.add(gkey)
             theirs = CollectiveSignature.from_json(
                 json.loads(self.store.get(self._entry_key(gkey, position, peer)))["c"]
             )
             mine = ", ".join(
-                f"position {r.start} of group {r.group!r} (ranks {format_ranks(r.ranks)})" for r in self.runs
+                f"position {r.start} of group {r.group!r} (ranks {format_ranks(r.ranks)}) with {_line(r.records[0])}"
+                for r in self.runs
+                if r.group in self.waits and peer in self.waits[r.group]
             )
             return (
                 f"the stream differs between rank {self.rank} and rank {peer}: "
@@ -301,6 +441,15 @@ def exchange_store(store: Any, epoch: int | str) -> Any:
     return _compat.prefix_store(f"{_PREFIX}{epoch}/", store)
 
 
+def _entry(r: GroupRun, i: int, merged: bool | None) -> str:
+    entry: dict[str, Any] = {"c": r.records[i].to_json(), "s": r.start, "g": r.digest, "x": r.others(i)}
+    if r.unknown:
+        entry["u"] = sorted(r.unknown)
+    if merged is not None:
+        entry["m"] = merged
+    return json.dumps(entry)
+
+
 def write_entries(
     store: Any, gkey: str, r: GroupRun, rank: int, *, first: int | None = None, merged: bool | None = None
 ) -> None:
@@ -311,10 +460,30 @@ def write_entries(
     """
     first = r.start if first is None else first
     for position in reversed(range(first, r.start + len(r.records))):  # NOTE [collective stream check]
-        entry: dict[str, Any] = {"c": r.records[position - r.start].to_json(), "s": r.start, "g": r.digest}
-        if merged is not None:
-            entry["m"] = merged
-        store.set(f"{gkey}/e/{position}/{rank}", json.dumps(entry))
+        store.set(f"{gkey}/e/{position}/{rank}", _entry(r, position - r.start, merged))
+
+
+def write_graph(
+    store: Any,
+    runs: Sequence[GroupRun],
+    rank: int,
+    *,
+    first: tuple[str, int] | None = None,
+    merged: dict[str, bool] | None = None,
+) -> None:
+    """Write the entries of one graph's ``runs`` (one per group) in reverse graph order, the first collective last.
+
+    ``first``: ``(group, position)``: only that collective's entry and the graph's later ones.
+    ``merged``: per group, whether the run's buckets ran merged (entries written after the decision).
+    """
+    order = [(r.index(i), r, i) for r in runs for i in range(len(r.records))]
+    if first is not None:
+        group, position = first
+        at = min((r.index(position - r.start) for r in runs if r.group == group), default=0)
+        order = [o for o in order if o[0] >= at]
+    for _, r, i in sorted(order, key=lambda o: -o[0]):  # NOTE [collective stream check]
+        m = None if merged is None else merged.get(r.group)
+        store.set(f"{group_key(r.group)}/e/{r.start + i}/{rank}", _entry(r, i, m))
 
 
 def _line(c: CollectiveSignature | None) -> str:

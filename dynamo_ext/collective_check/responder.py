@@ -9,12 +9,16 @@ nothing.  Rank 0's check would wait for their entries at its first position
 and end with a false error after the timeout.
 
 So every rank keeps, per group, its last few compiled runs (their first
-position, their collectives, whether their buckets ran merged; a ``deque``
+position, their collectives, whether their buckets ran merged, and which call
+of a compiled graph they belong to: the process counts its calls; a ``deque``
 append per call), and a daemon thread, started at the rank's first check in
 a process group world, answers requests: a rank whose check waits for a
 peer's entry at position ``p`` asks that peer (``q/<peer>/<n>`` in the
 store), and the peer's thread writes the entries of its run that covers
-``p``, as its own check would have.  Collectives block until every rank of
+``p``, as its own check would have: with the same call's runs on its other
+groups (the graph's later collectives first, NOTE [collective stream check]),
+and each entry's positions on the other groups (NOTE [order across groups]),
+rebuilt from the call's place among the runs remembered on each group.  Collectives block until every rank of
 the group takes part, so a peer is never more than one graph ahead of a
 position some rank still waits to enter: a short history suffices.  A
 position the peer has not reached yet is answered when it gets there (or by
@@ -55,24 +59,53 @@ def idle_poll_s(world_size: int) -> float:
     return min(2.0, max(_POLL_S, world_size / 1000))
 
 
-class History:
-    """Per group, this rank's last :data:`HISTORY` compiled runs: ``(first position, plan, merged)``."""
+class _Runs(dict):
+    """group -> its last :data:`HISTORY` runs (a deque made on first use)."""
 
-    def __init__(self) -> None:
-        self.runs: dict[str, collections.deque[tuple[int, Any, bool]]] = {}
-
-    def get(self, group: str) -> collections.deque[tuple[int, Any, bool]]:
-        runs = self.runs.get(group)
-        if runs is None:
-            runs = self.runs[group] = collections.deque(maxlen=HISTORY)
+    def __missing__(self, group: str) -> collections.deque[tuple[int, Any, bool, int]]:
+        runs = self[group] = collections.deque(maxlen=HISTORY)
         return runs
 
-    def covering(self, group: str, position: int) -> tuple[int, Any, bool] | None:
+
+class History:
+    """Per group, this rank's last :data:`HISTORY` compiled runs: ``(first position, plan, merged, call)``.
+
+    ``call`` numbers the calls of compiled graphs in this process: the runs of
+    one call on several groups share it.  Appended by the main thread, read by
+    the responder's (a deque's copy is taken whole).
+    """
+
+    def __init__(self) -> None:
+        self.runs: dict[str, collections.deque[tuple[int, Any, bool, int]]] = _Runs()
+
+    def get(self, group: str) -> collections.deque[tuple[int, Any, bool, int]]:
+        return self.runs[group]
+
+    def covering(self, group: str, position: int) -> tuple[int, Any, bool, int] | None:
         """The run whose collectives on ``group`` include ``position``, if it is still remembered."""
-        for start, plan, merged in list(self.runs.get(group, ())):
-            if start <= position < start + len(plan.records):
-                return start, plan, merged
+        for run in list(self.runs.get(group, ())):
+            if run[0] <= position < run[0] + len(run[1].records):
+                return run
         return None
+
+    def call(self, call: int) -> list[tuple[int, Any, bool, int]]:
+        """The runs of call ``call`` on every group (one per group)."""
+        return [run for runs in list(self.runs.values()) for run in list(runs) if run[3] == call]
+
+    def position_before(self, group: str, call: int) -> int | None:
+        """This rank's stream position on ``group`` when call ``call`` started; ``None`` when older than the history.
+
+        Positions on a group are contiguous: the end of the group's last run
+        before the call, else 0 when every run of the group is remembered.
+        """
+        runs = list(self.runs.get(group, ()))
+        before = [run for run in runs if run[3] < call]
+        if before:
+            return before[-1][0] + len(before[-1][1].records)
+        at = [run for run in runs if run[3] == call]
+        if at:
+            return at[0][0]
+        return 0 if len(runs) < HISTORY else None
 
 
 def request_key(peer: int, n: int | str) -> str:
@@ -93,7 +126,8 @@ class Responder:
         rank: this process's global rank.
         history: the runs to answer from.
         issued: per group, the next stream position this rank will take (read only).
-        write: ``write(gkey, start, plan, merged, first)`` writes the entries of a run from position ``first``.
+        write: ``write(gkey, run, first)`` writes the entries of ``run`` (a :class:`History` row) from position
+            ``first``, with its call's runs on other groups.
         alive: whether this responder's world and epoch are still the current ones.
         world_size: the world's size (sets :func:`idle_poll_s`).
     """
@@ -104,7 +138,7 @@ class Responder:
         rank: int,
         history: History,
         issued: dict[str, int],
-        write: Callable[[str, int, Any, bool, int], None],
+        write: Callable[[str, tuple[int, Any, bool, int], int], None],
         alive: Callable[[], bool],
         world_size: int = 1,
     ) -> None:
@@ -153,7 +187,6 @@ class Responder:
                 )
                 return True
             return False
-        start, plan, merged = run
-        self.write(gkey, start, plan, merged, position)
+        self.write(gkey, run, position)
         log.debug("collective check: rank %d answered position %d of group %r", self.rank, position, group)
         return True

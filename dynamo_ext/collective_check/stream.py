@@ -12,7 +12,10 @@ rank 0 and is checked.  A recompile on one rank with the same collectives has
 the same digest, so it is no new context and meets no one.  Per call and per
 group of the graph, the check costs a dictionary lookup, the count of the
 group's positions and an append to the rank's history (NOTE [answering a
-peer's check]); ``benchmarks/bench_collective_check.py --wrapper-only``.
+peer's check]), plus, per call, the count of calls that numbers those runs;
+the positions on other groups that a check compares (NOTE [order across
+groups]) are the same counts, read at the check:
+``benchmarks/bench_collective_check.py --wrapper-only``.
 
 What a rank cannot see without talking to its peers on every call:
 
@@ -22,7 +25,21 @@ What a rank cannot see without talking to its peers on every call:
 * a divergence between graphs that each already followed the same predecessor
   on their rank (rank 0 runs A after B, rank 1 runs C after B, and both pairs
   were checked before at other positions): no rank checks, the collectives run
-  as issued (a hang, or on gloo "Received data size doesn't match");
+  as issued (a hang, or on gloo "Received data size doesn't match"); so too for
+  two graphs on one group each whose order changes on one rank after every rank
+  ran them (from step 3 rank 1 runs group B's graph before group A's): neither
+  context is new;
+* a rank whose new graph interleaves two groups otherwise than the graph a peer
+  runs unchecked there (a rank-dependent recompile): the checking rank raises
+  (the peer's responder answers with its positions on the other groups, NOTE
+  [order across groups]); the peer, already inside the collective, ends with
+  the process group's timeout or error;
+* where a peer's graph boundaries differ, a bucket decision this rank leaves to
+  where the bucket runs (:func:`merge_decision`) covers its own buckets only: a
+  peer whose later graph merges a bucket on a group where this rank's graph
+  has none (possible only where the boundaries changed after the ranks agreed
+  on merged buckets there) merges while this rank runs the collectives apart
+  (gloo: "Received data size doesn't match"; NCCL: a hang);
 * a graph break or data dependency that depends on the rank and appears
   after the others agreed on merged buckets there (Inductor): the ranks that
   see the new context raise at once (NOTE [answering a peer's check]); the
@@ -41,7 +58,9 @@ fake data); only the test for fake arguments is added to the new-context path.
 
 The bucket decisions (NOTE [buckets only where ranks agree]) are remembered
 with the context: each run of a graph sets, per group, whether its buckets run
-merged (:func:`merge_decision`), as decided at the check of its context.
+merged (:func:`merge_decision`), as decided at the check of its context, or,
+where that check left it open (a peer's graph boundaries differ), where the
+bucket first runs.
 """
 
 from __future__ import annotations
@@ -56,7 +75,7 @@ from typing import Any
 import torch.distributed
 
 from .. import _compat, config
-from .exchange import GroupRun, agree, exchange_store, write_entries
+from .exchange import GroupRun, agree, exchange_store, write_graph
 from .fingerprint import CollectiveSignature
 from .responder import History, Responder
 
@@ -87,6 +106,21 @@ class _State:
         self.started: dict[str, tuple[GroupPlan, int, int]] = {}
         """group -> (the graph that ran last on it, its first position, the group's count of issued collectives
         then); only while positions are tracked."""
+        self.calls = 0
+        """Calls of checked compiled graphs so far (numbers the history's runs, NOTE [answering a peer's check])."""
+        self.pending: dict[str, tuple[GroupRun, tuple[str | None, str]]] = {}
+        """group -> (its run in the running graph, the context) where the bucket decision waits for a peer that
+        reaches the group's position only after an earlier collective of the graph (:func:`merge_decision`)."""
+
+
+class _Pending:
+    """A bucket decision not taken yet (:func:`merge_decision` takes it); false as "not merged"."""
+
+    def __bool__(self) -> bool:
+        return False
+
+
+_PENDING = _Pending()
 
 
 _state = _State()
@@ -107,8 +141,36 @@ def reset() -> None:
 
 
 def merge_decision(group: str) -> bool:
-    """Whether the running graph's collective buckets on ``group`` run merged (False when no check decided)."""
-    return _state.merge.get(group, False)
+    """Whether the running graph's collective buckets on ``group`` run merged (False when no check decided).
+
+    Called where a bucket runs.  Where the graph's check could not decide for
+    ``group`` (a peer's graph boundaries differ: it reaches the group's position
+    only after an earlier collective of this graph, NOTE [collective stream
+    check]), decides now, when this rank has issued those: waits for every
+    peer's entry at the group's position, as a check would.
+
+    Raises:
+        CollectiveMismatchError: from :func:`.exchange.agree`.
+    """
+    decided = _state.merge.get(group, False)
+    if decided is _PENDING:
+        decided = _decide_pending(_state, group)
+    return decided
+
+
+def _decide_pending(state: _State, group: str) -> bool:
+    run, context = state.pending.pop(group)
+    store, rank = _compat.default_store(), _compat.global_rank()
+    decided = False
+    if store is state.store and rank is not None:
+        decided = bool(agree([run], store=store, epoch=state.epoch, rank=rank).get(group))
+    state.seen[context] = state.merge[group] = decided
+    runs = state.history.runs[group]
+    if runs and runs[-1][0] == run.start:
+        start, plan, _, call = runs[-1]
+        runs[-1] = (start, plan, plan.bucketed and decided, call)
+    log.debug("collective buckets on group %r run %s (decided where they run)", group, "merged" if decided else "apart")
+    return decided
 
 
 def count_merged_away(group: str, count: int) -> None:
@@ -126,6 +188,9 @@ class GroupPlan:
     digest: str
     bucketed: bool = False
     """Whether the compiled graph has buckets on this group (which run merged where the check decides)."""
+    crossed: tuple[tuple[tuple[str, int], ...], ...] = ()
+    """Per record, ``(group, count)`` for each other group with collectives earlier in the graph
+    (NOTE [order across groups])."""
 
 
 def _pattern(ranks: Sequence[int]) -> list[int]:
@@ -154,13 +219,19 @@ def group_plans(
     """
     rank = _compat.global_rank()
     by_group: dict[str, list[CollectiveSignature]] = {}
+    crossed: dict[str, list[tuple[tuple[str, int], ...]]] = {}
     for c in records:
         if c.group and len(c.ranks) > 1 and rank in c.ranks:
+            crossed.setdefault(c.group, []).append(tuple((g, len(cs)) for g, cs in by_group.items() if g != c.group))
             by_group.setdefault(c.group, []).append(c)
     return [
-        GroupPlan(g, cs[0].ranks, tuple(cs), graph_digest(g, records, flow), g in bucketed)
+        GroupPlan(g, cs[0].ranks, tuple(cs), graph_digest(g, records, flow), g in bucketed, tuple(crossed[g]))
         for g, cs in by_group.items()
     ]
+
+
+def _positions(counts: dict[str, int]) -> tuple[tuple[str, int], ...]:
+    return tuple((g, n) for g, n in counts.items() if n)
 
 
 def _check(plans: Sequence[GroupPlan], state: _State) -> None:
@@ -175,6 +246,7 @@ def _check(plans: Sequence[GroupPlan], state: _State) -> None:
     if state.store is not store:
         state.__init__(state.epoch, store)  # a new process group world: nothing seen in it yet
     runs, contexts = [], {}
+    base = _positions(state.issued)
     for p in plans:
         context = (state.last.get(p.group), p.digest)
         if context in state.seen:
@@ -183,14 +255,20 @@ def _check(plans: Sequence[GroupPlan], state: _State) -> None:
         if _compat.group_is_fake(p.group):
             state.seen[context] = True  # one process: no peer to disagree with
             continue
-        runs.append(GroupRun(p.group, p.ranks, p.records, p.digest, state.issued.get(p.group, 0)))
+        runs.append(GroupRun(p.group, p.ranks, p.records, p.digest, state.issued.get(p.group, 0), p.crossed, base))
     if runs:
         _start_responder(state, store, rank)
         decided = agree(runs, store=store, epoch=state.epoch, rank=rank)
-        for group, merge in decided.items():
-            state.seen[contexts[group]] = merge
+        bucketed = {p.group for p in plans if p.bucketed}
+        for run in runs:
+            merge = decided.get(run.group)
+            state.pending.pop(run.group, None)  # an earlier run's, left open where its graph raised
+            if merge is None and run.group in bucketed:
+                state.pending[run.group] = (run, contexts[run.group])  # decided where the bucket runs
+                continue
+            state.seen[contexts[run.group]] = bool(merge)
             if not merge:
-                log.debug("collective buckets on group %r run unmerged: the ranks' graphs differ here", group)
+                log.debug("collective buckets on group %r run unmerged: the ranks' graphs differ here", run.group)
 
 
 def _start_responder(state: _State, store: Any, rank: int) -> None:
@@ -199,12 +277,30 @@ def _start_responder(state: _State, store: Any, rank: int) -> None:
         return
     prefixed = exchange_store(store, state.epoch)
 
-    def write(gkey: str, start: int, plan: GroupPlan, merged: bool, first: int) -> None:
-        run = GroupRun(plan.group, plan.ranks, plan.records, plan.digest, start)
-        write_entries(prefixed, gkey, run, rank, first=first, merged=merged)
+    def write(gkey: str, row: tuple[int, GroupPlan, bool, int], first: int) -> None:
+        write_answer(prefixed, rank, state.history, row, first)
 
     world_size = torch.distributed.get_world_size()
     state.responder = Responder(prefixed, rank, state.history, state.issued, write, lambda: _state is state, world_size)
+
+
+def write_answer(store: Any, rank: int, history: History, row: tuple[int, GroupPlan, bool, int], first: int) -> None:
+    """Write the entries of ``row`` (a :class:`.responder.History` run) from position ``first`` on, for a peer's
+    check: with the same call's runs on the other groups, each entry with this rank's positions on its other
+    groups then (NOTE [answering a peer's check], NOTE [order across groups])."""
+    call = row[3]
+    siblings = history.call(call) or [row]
+    positions, unknown = {}, set()
+    for group in list(history.runs):
+        position = history.position_before(group, call)
+        if position is None:
+            unknown.add(group)
+        else:
+            positions[group] = position
+    base, lost = _positions(positions), frozenset(unknown)
+    runs = [GroupRun(p.group, p.ranks, p.records, p.digest, s, p.crossed, base, lost) for s, p, _, _ in siblings]
+    merged = {p.group: bool(m) for _, p, m, _ in siblings}
+    write_graph(store, runs, rank, first=(row[1].group, first), merged=merged)
 
 
 def checked(compiled: Callable[..., Any], plans: Sequence[GroupPlan]) -> Callable[..., Any]:
@@ -231,20 +327,32 @@ def _checked_groups(compiled: Callable[..., Any], plans: tuple[GroupPlan, ...]) 
             if decided is None:
                 if _compat.has_fake_tensor(args):
                     return compiled(*args, **kwargs)  # NOTE [fake runs are not checked]
-                _check(plans, state)
-                state = _state
-                seen, last, merge = state.seen, state.last, state.merge
-                decided = seen.get((last.get(p.group), p.digest), False)
+                state = _decide(plans, state)
+                last, merge = state.last, state.merge
+                break
             merge[p.group] = decided
-        issued, history = state.issued, state.history
+        issued, history = state.issued, state.history.runs
+        call = state.calls = state.calls + 1
         for p in plans:
             last[p.group] = p.digest
             start = issued.get(p.group, 0)
             issued[p.group] = start + len(p.records)
-            history.get(p.group).append((start, p, p.bucketed and merge[p.group]))
+            history[p.group].append((start, p, p.bucketed and merge[p.group], call))
         return compiled(*args, **kwargs)
 
     return _like(run, compiled)
+
+
+def _decide(plans: tuple[GroupPlan, ...], state: _State) -> _State:
+    """Check the graph's new contexts and set each group's bucket decision for this run; the current state."""
+    _check(plans, state)
+    state = _state
+    for p in plans:
+        decided = state.seen.get((state.last.get(p.group), p.digest))
+        if decided is None:
+            decided = _PENDING if p.group in state.pending else False
+        state.merge[p.group] = decided
+    return state
 
 
 def _checked_one_group(compiled: Callable[..., Any], plans: tuple[GroupPlan, ...]) -> Callable[..., Any]:
@@ -268,7 +376,8 @@ def _checked_one_group(compiled: Callable[..., Any], plans: tuple[GroupPlan, ...
         issued = state.issued
         start = issued.get(group, 0)
         issued[group] = start + count
-        state.history.get(group).append((start, plan, bucketed and decided))
+        call = state.calls = state.calls + 1
+        state.history.runs[group].append((start, plan, bucketed and decided, call))
         return compiled(*args, **kwargs)
 
     return _like(run, compiled)
@@ -369,10 +478,12 @@ def check_collectives(records: Sequence[CollectiveSignature]) -> None:
     if _state.store is not store:
         _state.__init__(_state.epoch, store)  # a new process group world: nothing checked in it yet
     runs = []
+    base = _positions(_state.direct)
     for p in group_plans(records, ""):
         if _compat.group_is_fake(p.group):
             continue
-        runs.append(GroupRun(p.group, p.ranks, p.records, p.digest, _state.direct.get(p.group, 0)))
-        _state.direct[p.group] = _state.direct.get(p.group, 0) + len(p.records)
+        runs.append(GroupRun(p.group, p.ranks, p.records, p.digest, _state.direct.get(p.group, 0), p.crossed, base))
+    for r in runs:
+        _state.direct[r.group] = r.start + len(r.records)
     if runs:
         agree(runs, store=store, epoch=f"{_state.epoch}/direct", rank=rank)
