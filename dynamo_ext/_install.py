@@ -38,6 +38,10 @@ def is_installed() -> bool:
 def install() -> None:
     """Install the plugin into Dynamo and Inductor.  A second call is a no-op.
 
+    On a torch newer than the last release the plugin was verified on
+    (``_compat.releases.LAST_VERIFIED_RELEASE``), warns once (``UserWarning``) naming the private torch APIs the
+    plugin uses that the release lacks, and installs anyway.
+
     Raises:
         ImportError: torch is older than 2.11 or lacks ``torch.distributed``.
     """
@@ -67,12 +71,14 @@ def _install() -> None:
         retrace_meta,
         variables,
     )
+    from ._compat import releases
     from .blocks import aot_backward_calls
     from .blocks import reuse as block_reuse
     from .blocks import split as block_split
     from .blocks import trace_once as block_trace_once
     from .spmd import ddp_overlap
 
+    releases.check_torch_release()  # warns once on a torch newer than the last verified release
     with _compat.compile_lock():  # NOTE [install under threads]
         try:
             variables.install(PATCHES)

@@ -8,11 +8,13 @@ import importlib
 import inspect
 import pkgutil
 import types
+import warnings
 from pathlib import Path
 
 import pytest
 
 from dynamo_ext import _compat
+from dynamo_ext._compat import releases
 
 MODULES = sorted(m.name for m in pkgutil.iter_modules(_compat.__path__))
 
@@ -77,3 +79,91 @@ def test_aten_op_probe():
 
     assert _compat.aten_op("add") is torch.ops.aten.add
     assert _compat.aten_op("no_such_op_in_any_release") is None
+
+
+# --- the release check install() makes (dynamo_ext/_compat/releases) ---
+
+_FAKE_LISTING = (
+    "torch._dynamo: !no_such_api_in_any_release reset\n    probed_name_no_release_has\ntorch.no_such_module_x:\n"
+)
+
+
+@pytest.fixture
+def fresh_release_check(monkeypatch):
+    """The once-per-process flag cleared, and a listing with two absent APIs and a module no release has."""
+    from dynamo_ext._compat.releases import check
+
+    monkeypatch.setattr(check, "_warned", False)
+    monkeypatch.setattr(check.private_apis, "PRIVATE_APIS", _FAKE_LISTING)
+    return check
+
+
+def test_a_newer_torch_warns_once_naming_the_missing_apis(fresh_release_check):
+    with pytest.warns(UserWarning) as caught:
+        message = releases.check_torch_release("2.16.0")
+    assert [str(w.message) for w in caught] == [message]
+    assert message.startswith(
+        f"dynamo-ext: torch 2.16.0 is newer than {releases.LAST_VERIFIED_RELEASE}, the last release its tests"
+    )
+    assert (
+        "It lacks 3 private torch APIs the plugin uses: torch._dynamo.no_such_api_in_any_release (used directly), "
+        in message
+    )
+    assert "torch._dynamo.probed_name_no_release_has (probed: its feature is off)" in message
+    assert "torch.no_such_module_x (used directly)" in message
+    assert "torch._dynamo.reset" not in message
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert releases.check_torch_release("2.16.0") is None  # once per process
+
+
+@pytest.mark.parametrize("version", ["2.11.0", "2.15.0", "2.15.4+cu132", releases.LAST_VERIFIED_RELEASE])
+def test_verified_releases_do_not_warn(fresh_release_check, version):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert releases.check_torch_release(version) is None
+    assert fresh_release_check._warned is False
+
+
+def test_a_newer_torch_with_every_api_present_still_warns(fresh_release_check, monkeypatch):
+    monkeypatch.setattr(fresh_release_check.private_apis, "PRIVATE_APIS", "torch._dynamo: reset !config\n")
+    with pytest.warns(UserWarning, match=r"torch 2\.16\.0a0\+git123 is newer than .* Every private torch API it uses"):
+        releases.check_torch_release("2.16.0a0+git123")
+
+
+def test_install_on_a_newer_torch_warns_and_installs(fresh_release_check, monkeypatch):
+    import torch
+
+    import dynamo_ext
+
+    monkeypatch.setattr(torch, "__version__", "2.16.0")
+    assert not dynamo_ext.is_installed()
+    try:
+        with pytest.warns(UserWarning, match="torch 2.16.0 is newer than") as caught:
+            dynamo_ext.install()
+        assert dynamo_ext.is_installed()
+        (ours,) = [w for w in caught if w.category is UserWarning and "is newer than" in str(w.message)]
+        assert ours.filename == __file__  # points at the caller of install()
+        dynamo_ext.uninstall()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", UserWarning)
+            dynamo_ext.install()  # a second install in the process: no second warning
+    finally:
+        dynamo_ext.uninstall()
+
+
+def test_missing_private_apis_agrees_with_the_recorded_probe():
+    """The runtime check resolves the generated listing as ``scripts/support_docs/presence.py`` did on this release."""
+    import json
+
+    import torch
+
+    release = str(torch.__version__).split("+")[0]
+    record = Path(__file__).resolve().parents[1] / "docs" / "support" / "api_presence" / f"{release}.json"
+    if not record.is_file():
+        pytest.skip(f"no presence record of torch {release}")
+    apis = json.loads(record.read_text())["apis"]
+    listed = {f"{m}.{n}" if n else m for m, n, _ in releases.check._entries(releases.private_apis.PRIVATE_APIS)}
+    assert listed and listed <= set(apis), f"listed but not probed here: {sorted(listed - set(apis))}"
+    missing = {p for p, _ in releases.missing_private_apis()}
+    assert missing == {p for p in listed if not apis[p]["present"]}

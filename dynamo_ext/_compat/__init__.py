@@ -16,7 +16,7 @@ and tests patch it.  Importing it imports ``torch._dynamo`` (:mod:`.dynamo`); ot
 - :mod:`.inductor`: Inductor config, lowerings, IR, post-grad passes, comm cost model.
 - :mod:`.distributed`: c10d (functional collectives, process groups, store), DDP and DDPOptimizer.
 - :mod:`.dtensor`, :mod:`.fsdp`, :mod:`.symm_mem`: DeviceMesh and DTensor, FSDP2, symmetric memory internals.
-- :mod:`.config_module`, :mod:`.probes`: torch config modules; ``optional_attr``, the generic attribute probe.
+- :mod:`.config_module`, :mod:`.probes`, :mod:`.releases`: config modules; ``optional_attr``; the verified release.
 """
 
 from __future__ import annotations
