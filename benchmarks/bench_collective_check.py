@@ -179,7 +179,7 @@ def _wrapper_cost(n: int = 200_000) -> None:
         print(
             f"per call, context seen, {groups} group(s): wrapper {checked * 1e9:.0f} ns vs direct {bare * 1e9:.0f} ns "
             f"(+{(checked - bare) * 1e9:.0f} ns CPU time: per group a dictionary lookup, the position count and a "
-            "history append; one Python frame)"
+            "history append; a call count; one Python frame)"
         )
     stream.reset()
 
