@@ -172,6 +172,11 @@ def spec_of(x):
 
 def compile_id():
     return torch._guards.CompileContext.current_compile_id()
+
+
+def all_present():
+    needed = [("torch._dynamo.package", "load_guards_state"), ("torch._C._dynamo.eval_frame", "_reset_entries")]
+    return all(optional_attr(m, n) is not None for m, n in needed)
 '''
 _USER = """
 from typing import TYPE_CHECKING
@@ -252,6 +257,10 @@ def test_scan_names_each_use_and_the_check_around_it(tmp_path):
         "torch.ops._c10d_functional.wait_tensor": ["hasattr"],
         "torch.ops._c10d_functional.all_gather_into_tensor.default": ["direct"],
         "torch.distributed.distributed_c10d._get_default_group": ["hasattr"],
+        "torch._dynamo.package": ["import attempt"],
+        "torch._dynamo.package.load_guards_state": ["hasattr"],
+        "torch._C._dynamo.eval_frame": ["import attempt"],
+        "torch._C._dynamo.eval_frame._reset_entries": ["hasattr"],
     }
     (site,) = found.apis["torch.ops._c10d_functional.all_reduce"]
     assert (site.file, site.function, site.via) == (

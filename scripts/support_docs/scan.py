@@ -572,23 +572,7 @@ class _Walker:
         if isinstance(node, ast.ListComp | ast.SetComp | ast.GeneratorExp | ast.DictComp):
             saved = self.env
             self.env = dict(saved)
-            for gen in node.generators:
-                items = self.items(self.expr(gen.iter))
-                merged: Alts = ()
-                if items is not None:
-                    if isinstance(gen.target, ast.Tuple):
-                        seqs = [i for it in items for i in it if isinstance(i, Seq)]
-                        merged = tuple(seqs)
-                    else:
-                        merged = tuple(v for it in items for v in it)
-                self.bind(gen.target, merged)
-                for cond in gen.ifs:
-                    self.expr(cond)
-            if isinstance(node, ast.DictComp):
-                self.expr(node.key)
-                self.expr(node.value)
-            else:
-                self.expr(node.elt)
+            self.comprehension(node, 0)
             self.env = saved
             return ()
         if isinstance(node, ast.IfExp):
@@ -605,6 +589,24 @@ class _Walker:
             elif isinstance(child, ast.comprehension):
                 self.expr(child.iter)
         return ()
+
+    def comprehension(self, node: ast.ListComp | ast.SetComp | ast.GeneratorExp | ast.DictComp, i: int) -> None:
+        """Walk generator ``i`` and those after it, then the element: once per item of a known sequence, so
+        names unpacked from one item stay together (``for module, name in TABLE``)."""
+        if i == len(node.generators):
+            if isinstance(node, ast.DictComp):
+                self.expr(node.key)
+                self.expr(node.value)
+            else:
+                self.expr(node.elt)
+            return
+        gen = node.generators[i]
+        items = self.items(self.expr(gen.iter))
+        for item in [()] if items is None or len(items) > _MAX_LOOP_ITEMS else items:
+            self.bind(gen.target, item)
+            for cond in gen.ifs:
+                self.expr(cond)
+            self.comprehension(node, i + 1)
 
     def fstring(self, node: ast.JoinedStr) -> Alts:
         texts = [""]
