@@ -164,8 +164,9 @@ def _pinned_steps(*, plugin: bool) -> tuple[int, list[torch.Tensor]]:
 
 
 def test_a_compile_that_pinned_its_float_is_not_shared(caplog):
-    """Blocks 1 and 2 are identical but for their float: each compile pins its own, so block 2 must not run
-    block 1's compile (it would compute with block 1's value)."""
+    """Blocks 1 and 2 are identical but for their float, which the tensorify pass pins: torch 2.13 while compiling
+    (a guard added; block 2 must not run block 1's compile, it would compute with block 1's value), 2.15 by
+    restarting Dynamo (the blocks' floats pinned in one restart, as stock: the backend counts the restart too)."""
     stock_graphs, _ = _pinned_steps(plugin=False)
     with (
         dynamo_ext.config.patch(trace_blocks_once=False),
@@ -173,5 +174,4 @@ def test_a_compile_that_pinned_its_float_is_not_shared(caplog):
     ):
         graphs, _ = _pinned_steps(plugin=True)
     assert graphs == stock_graphs
-    assert "pinned the float(s)" in caplog.text and "not shared" in caplog.text
     assert "3 submodules, 3 compiled, 0 running" in caplog.text

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import importlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -270,26 +270,30 @@ def is_float_symbol(symbol: Any) -> bool:
 
 
 @contextlib.contextmanager
-def tensorify_leaving_alone(names: set[str]) -> Iterator[None]:
+def tensorify_leaving_alone(names: set[str], also: Callable[[set[str]], set[str]] | None = None) -> Iterator[None]:
     """While in the block, AOTAutograd's tensorify pass (``torch.fx.passes._tensorify_python_scalars``) does not
-    specialize the float symbols named ``names``.
+    specialize the float symbols named ``names``; where it lists others to specialize (before it restarts Dynamo
+    to pin them), ``also(listed)`` names more to list with them.
 
     The pass specializes every float symbol of the shape environment that the graph it runs on did not turn
-    into a tensor, and restarts Dynamo to pin them; it skips those ``TensorifyState`` already lists (2.11 to
-    2.15).  The names are listed for the block and taken off again after it (also when the pass restarts
-    Dynamo); a release without ``TensorifyState`` has no such pass and nothing is done.
+    into a tensor, and restarts Dynamo to pin those it lists in ``TensorifyState`` (which it skips when already
+    listed; 2.11 to 2.15).  ``names`` are listed for the block and taken off again after it (also when the pass
+    restarts Dynamo); a release without ``TensorifyState`` has no such pass and nothing is done.
     """
     state = optional_attr("torch._dynamo.symbolic_convert", "TensorifyState")
     listed = getattr(state, "force_specializations", None)
     if not isinstance(listed, set):
         yield
         return
+    before = set(listed)
     added = names - listed
     listed |= added
     try:
         yield
     finally:
         listed -= added
+        if also is not None and (new := listed - before):
+            listed |= also(new)
 
 
 def global_state_functions() -> tuple[Any, ...]:

@@ -60,7 +60,7 @@ from .._patching import Patcher
 from ..fx.nodes import container_item, is_invoke_subgraph, static_layout, traced_outputs
 from ..fx.ops import op_signature
 from .split_backward import backward_partition, flat_backward_graph
-from .split_floats import compile_keeping_floats, float_symbols, floats_cross_cuts, floats_into_readers
+from .split_floats import compile_keeping_floats, float_symbols, floats_cross_cuts, floats_into_readers, twin_floats
 from .split_key import structural_key
 from .split_state import copied, follows_submodule_order, in_submodule_order, states_before
 from .symbols import input_symbols, may_rename
@@ -195,6 +195,7 @@ def compile_blocks(
     if split is None:
         return None
     graph_floats = float_symbols(gm.graph.nodes)
+    twins = twin_floats([m for m in split.children() if isinstance(m, torch.fx.GraphModule)])
     fake_mode = _compat.fake_mode_of(example_inputs)
     compiled: dict[Any, _Compiled] = {}
     compiles = reused = 0
@@ -223,7 +224,7 @@ def compile_blocks(
                         hit = None
                     if hit is None:
                         with _compat.own_tracing_context():
-                            fn, pinned = compile_keeping_floats(compile_one, sub, args, graph_floats)
+                            fn, pinned = compile_keeping_floats(compile_one, sub, args, graph_floats, twins)
                         hit = _Compiled(fn, single, symbols)
                         if key is not None and not pinned:
                             compiled.setdefault(key, hit)

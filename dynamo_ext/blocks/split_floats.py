@@ -19,7 +19,10 @@ frame to eager.  So:
   (:func:`compile_keeping_floats`, ``_compat.tensorify_leaving_alone``).  A float the graph holds nowhere is
   still specialized, as stock does;
 - a compile that pinned a float of its own (a guard on it added while compiling) is not shared with an
-  identical block (NOTE [blocks compiled once]), whose float may have another value.
+  identical block (NOTE [blocks compiled once]), whose float may have another value;
+- where the pass lists a float of its submodule to pin (it then restarts Dynamo, as 2.15 does for a float it
+  has no tensor op for), it lists the same float of every submodule with the same nodes with it
+  (:func:`twin_floats`), which the pass pins in the whole graph at the same time: one restart, as stock.
 
 The split then adds no guard Dynamo's trace of the whole graph would not have, and a float stays dynamic.
 """
@@ -34,6 +37,7 @@ import torch
 import torch.fx
 
 from .. import _compat
+from .split_key import ops_key
 
 log = logging.getLogger(__name__)
 
@@ -123,20 +127,50 @@ def floats_into_readers(gm: torch.fx.GraphModule, partition: dict[torch.fx.Node,
     return len(copies)
 
 
+def _made_at(gm: torch.fx.GraphModule) -> list[str | None]:
+    """For each node of ``gm``, the name of the float symbol it makes (its value is the symbol itself: the
+    ``item()`` of a float's input), or None."""
+    out: list[str | None] = []
+    for n in gm.graph.nodes:
+        value = _value(n)
+        made = isinstance(value, torch.SymFloat) and value.node.expr.is_Symbol and bool(_floats_of(value))
+        out.append(str(value.node.expr) if made else None)
+    return out
+
+
+def twin_floats(subs: list[torch.fx.GraphModule]) -> Callable[[set[str]], set[str]]:
+    """For float symbols (by name) one of ``subs`` makes, the floats made by the same nodes of every one of ``subs``
+    with the same nodes (:func:`.split_key.ops_key`) (NOTE [dynamic floats in the block split])."""
+
+    def twins(names: set[str]) -> set[str]:
+        made = [(ops_key(sub), _made_at(sub)) for sub in subs]
+        out: set[str] = set()
+        for key, at in made:
+            where = [i for i, name in enumerate(at) if name in names]
+            for other_key, other_at in made:
+                if where and other_key == key:
+                    out |= {name for i in where if (name := other_at[i]) is not None}
+        return out - names
+
+    return twins
+
+
 def compile_keeping_floats(
     compile_one: Callable[[torch.fx.GraphModule, list[Any]], Any],
     sub: torch.fx.GraphModule,
     args: list[Any],
     graph_floats: set[Any],
+    twins: Callable[[set[str]], set[str]] | None = None,
 ) -> tuple[Any, bool]:
     """``compile_one(sub, args)`` with the tensorify pass leaving the floats of ``graph_floats`` that ``sub`` does
-    not hold alone; and whether the compile pinned one of ``sub``'s own (added a guard on it), so that it is not
-    shared with another block (NOTE [dynamic floats in the block split])."""
+    not hold alone, and pinning with one it pins those ``twins`` names (:func:`twin_floats`); and whether the
+    compile pinned one of ``sub``'s own (added a guard on it), so that it is not shared with another block
+    (NOTE [dynamic floats in the block split])."""
     own = float_symbols(sub.graph.nodes)
     value = next((v for n in sub.graph.nodes if _floats_of(v := _value(n))), None)
     facts = None if value is None else _compat.shape_env_facts(value)
     seen = 0 if facts is None else sum(1 for _ in facts[1])
-    with _compat.tensorify_leaving_alone({str(s) for s in graph_floats - own}):
+    with _compat.tensorify_leaving_alone({str(s) for s in graph_floats - own}, also=twins):
         compiled = compile_one(sub, args)
     if facts is None:
         return compiled, False

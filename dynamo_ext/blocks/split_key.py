@@ -76,7 +76,7 @@ def _tensor_key(value: Any, names: dict[Any, Any] | None = None) -> Any:
     )
 
 
-def _graph_key(gm: torch.fx.GraphModule) -> tuple[Any, ...]:
+def _graph_key(gm: torch.fx.GraphModule, *, output: bool = True) -> tuple[Any, ...]:
     index: dict[torch.fx.Node, int] = {}
     out: list[Any] = []
 
@@ -91,6 +91,8 @@ def _graph_key(gm: torch.fx.GraphModule) -> tuple[Any, ...]:
 
     for n in gm.graph.nodes:
         index[n] = len(index)
+        if n.op == "output" and not output:
+            break
         if n.op in ("get_attr", "call_module"):
             sub = gm.get_submodule(str(n.target)) if n.op == "call_module" else getattr(gm, str(n.target))
             if isinstance(sub, torch.fx.GraphModule):
@@ -107,6 +109,12 @@ def _graph_key(gm: torch.fx.GraphModule) -> tuple[Any, ...]:
             )
         out.append((n.op, target, arg(n.args), arg(n.kwargs)))
     return tuple(out)
+
+
+def ops_key(gm: torch.fx.GraphModule) -> tuple[Any, ...]:
+    """A graph's nodes as a key (ops, targets, constants, bodies), what it returns left out: equal for two
+    submodules that compute the same values in the same way, whatever their inputs."""
+    return _graph_key(gm, output=False)
 
 
 def structural_key(gm: torch.fx.GraphModule, inputs: list[Any]) -> tuple[Any, ...]:
