@@ -174,6 +174,11 @@ def compile_id():
     return torch._guards.CompileContext.current_compile_id()
 
 
+def own_pickler_reducer():
+    cls = optional_attr("torch._inductor.codecache", "FxGraphCachePickler")
+    return getattr(cls, "__dict__", {}).get("reducer_override")
+
+
 def all_present():
     needed = [("torch._dynamo.package", "load_guards_state"), ("torch._C._dynamo.eval_frame", "_reset_entries")]
     return all(optional_attr(m, n) is not None for m, n in needed)
@@ -261,6 +266,9 @@ def test_scan_names_each_use_and_the_check_around_it(tmp_path):
         "torch._dynamo.package.load_guards_state": ["hasattr"],
         "torch._C._dynamo.eval_frame": ["import attempt"],
         "torch._C._dynamo.eval_frame._reset_entries": ["hasattr"],
+        "torch._inductor.codecache": ["import attempt"],
+        "torch._inductor.codecache.FxGraphCachePickler": ["hasattr", "signature check"],
+        "torch._inductor.codecache.FxGraphCachePickler.reducer_override": ["hasattr"],
     }
     (site,) = found.apis["torch.ops._c10d_functional.all_reduce"]
     assert (site.file, site.function, site.via) == (

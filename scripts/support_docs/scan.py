@@ -18,7 +18,8 @@ NOTE [how _compat probes an API]
 Each use gets the check around it, read from the code: ``import attempt`` (``optional_attr``, or an import
 in a ``try`` that catches ``ImportError``), ``hasattr`` (``hasattr``, ``getattr`` with a default, or a read
 in a ``try`` that catches ``AttributeError``), ``signature check`` (``inspect.signature``,
-``dataclasses.fields``, or its ``__code__``/``__wrapped__``/``__deprecated__`` read), ``behaviour check``
+``dataclasses.fields``, or its ``__code__``/``__wrapped__``/``__deprecated__`` read; ``X.__dict__.get(name)``
+is a ``hasattr`` of ``X.name``), ``behaviour check``
 (called inside a ``try`` that catches ``TypeError``, or in a function whose docstring says it is probed by
 behaviour or by calling it), else ``direct``: used as if every release had it.
 
@@ -191,6 +192,25 @@ def _unknown_object(values: Alts, node: ast.expr) -> bool:
     if isinstance(node, ast.Name) and node.id in ("self", "cls"):
         return False
     return not any(isinstance(v, Torch | Tmpl | Ref) for v in values)
+
+
+def _class_dict_owner(func: ast.expr) -> ast.expr | None:
+    """``X`` when ``func`` is ``X.__dict__.get`` or ``getattr(X, "__dict__", ...).get``, else None."""
+    if not (isinstance(func, ast.Attribute) and func.attr == "get"):
+        return None
+    d = func.value
+    if isinstance(d, ast.Attribute) and d.attr == "__dict__":
+        return d.value
+    if (
+        isinstance(d, ast.Call)
+        and isinstance(d.func, ast.Name)
+        and d.func.id == "getattr"
+        and len(d.args) >= 2
+        and isinstance(d.args[1], ast.Constant)
+        and d.args[1].value == "__dict__"
+    ):
+        return d.args[0]
+    return None
 
 
 @dataclasses.dataclass
@@ -656,6 +676,18 @@ class _Walker:
             for a in args[2:]:
                 self.expr(a)
             return ()
+        owner = _class_dict_owner(node.func)
+        if owner is not None and args:  # ``X.__dict__.get("name")``: whether X itself defines it
+            self.use(
+                tuple(
+                    x
+                    for v in self.chain(owner)
+                    for n in self.names(args[0])
+                    if (x := _extend(v, n.value if isinstance(n, Str) else n))
+                ),
+                node,
+                "hasattr",
+            )
         arg_values = [self.expr(a) for a in args]
         kw_values = {k: self.expr(v) for k, v in kw.items()}
         out: list[Value] = []
