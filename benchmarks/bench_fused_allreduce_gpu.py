@@ -281,7 +281,7 @@ def _sweep(a: argparse.Namespace, smoke: bool, worlds: list[int]) -> int:
         watchdog.stop()
     print(f"\ncopy bandwidth {part.data['copy_gbs']} GB/s; crossovers (tokens; None: never / from the first size)")
     print("\n".join(sweep.format_crossovers(part.data["crossovers"])))
-    wrong = [r for r in rows if not all(r[f"{v}_ok"] for v in ("one_shot", "two_shot"))]
+    wrong = [r for r in rows if not all(r.get(f"{v}_ok") for v in ("one_shot", "two_shot"))]
     part.set(wrong_rows=len(wrong), done=True)
     return 1 if wrong else 0
 

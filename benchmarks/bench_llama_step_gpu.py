@@ -50,7 +50,8 @@ def _build(cfg: Any, mesh: Any, device: Any) -> Any:
     from dynamo_ext.audit.targets import example_llama as ex
 
     torch.manual_seed(0)
-    model = ex.Decoder(cfg).to(device)
+    with device:  # parameters made on the device (both copies alike, from the same seed)
+        model = ex.Decoder(cfg)
     for block in model.layers:
         fully_shard(block, mesh=mesh)
     return fully_shard(model, mesh=mesh)

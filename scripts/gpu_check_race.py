@@ -97,6 +97,7 @@ def run_world(world: int, args: argparse.Namespace, watchdog: Watchdog, deadline
     )
     size = max(buffer_nbytes([c.shape], c.dtype) for c in cases)
     ranks = harness.InProcessRanks(world, size, device, max_blocks=max_blocks_for(world, device))
+    watchdog.forget()  # the previous world size's ranks and calls
     watchdog.watch(ranks, f"race W={world}")
     rng = random.Random(args.seed * 7 + world)
     err = torch.zeros(world, args.calls, 3, dtype=torch.float64, device=device)
@@ -225,7 +226,10 @@ def main(argv: list[str] | None = None) -> int:
     ok = True
     with Watchdog(args.hang_s + 30, name="race", on_fire=lambda report: part.set(watchdog=report)) as watchdog:
         for world in args.world:
-            row = run_world(world, args, watchdog, deadline)
+            try:
+                row = run_world(world, args, watchdog, deadline)
+            except Exception as e:  # recorded; the next world size still runs (unless the device is broken)
+                row = {"world": world, "ok": False, "error": f"{type(e).__name__}: {e}"[:2000]}
             ok &= row["ok"]
             part.append("rows", row)
             print(row, flush=True)

@@ -203,6 +203,10 @@ class Watchdog:
         """Add ``fn()``'s text to the report (e.g. the call each rank is in)."""
         self._describers.append(fn)
 
+    def forget(self) -> None:
+        """Drop every watched object and describer (a run moving on to its next set of ranks)."""
+        self._watched, self._describers = [], []
+
     def report(self, reason: str) -> str:
         """The text printed when the watchdog fires: the reason, the describers', every watched object's state."""
         parts = [f"WATCHDOG [{self.name}]: {reason}; in flight: {self.what}"]
