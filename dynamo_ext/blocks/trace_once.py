@@ -9,9 +9,11 @@ an item already traced in this frame adds, in place of a trace, copies of
 the nodes that item's call added, with block ``i``'s parameters as inputs:
 
 - **Recording.**  The first call of a (block class, argument metadata,
-  call site, grad mode) in a frame's root graph is traced as usual and
-  recorded: the nodes it added, the graph inputs it lifted (by source), its
-  result, the guards of its trace on the block's sources, and its effects.
+  argument aliasing (NOTE [a stamp keeps its arguments' aliasing] in
+  ``trace_aliasing.py``), call site, grad mode) in a frame's root graph is
+  traced as usual and recorded: the nodes it added, the graph inputs it
+  lifted (by source), its result, the guards of its trace on the block's
+  sources, and its effects.
   A recording is kept only when the call is self-contained: its nodes read
   only its arguments and graph inputs, its result is a tensor it made, and
   every object outside it that it mutated (FSDP2 swaps each module's
@@ -53,6 +55,7 @@ import torch
 
 from .. import _compat, config
 from .._patching import Patcher
+from . import trace_aliasing
 from .trace_guards import StampError
 from .trace_record import Recording, call_key, log, record, site
 from .trace_stamp import stamp
@@ -98,7 +101,9 @@ def call(tx: Any, module_vt: Any, args: list[Any], kwargs: dict[str, Any], trace
     try:
         # The call reads its arguments anyway: realizing them here adds no guard the trace would not.
         arguments, leaves = call_key([a.realize() for a in args], {k: v.realize() for k, v in kwargs.items()})
-        key = (type(module), arguments, site(tx))
+        # which arguments are one tensor, share storage or are reachable otherwise: NOTE [a stamp keeps its
+        # arguments' aliasing] in trace_aliasing.py
+        key = (type(module), arguments, site(tx), trace_aliasing.pattern(tx.output, leaves))
     except StampError as why:
         log.debug("%s traced: %s", _compat.source_name(source), why)
         return trace()
@@ -118,7 +123,23 @@ def call(tx: Any, module_vt: Any, args: list[Any], kwargs: dict[str, Any], trace
         refused[key] = refused.get(key, 0) + 1
         if refused[key] >= _RECORDING_TRIES:
             return trace()
+    _log_aliasing_apart(source, key, recordings)
     return record(tx, module_vt, source, leaves, trace, recordings, key)
+
+
+def _log_aliasing_apart(source: Any, key: tuple[Any, ...], recordings: dict[tuple[Any, ...], Any]) -> None:
+    """Say why a call is recorded although a recording of the same block, arguments and site exists: its
+    arguments alias otherwise (NOTE [a stamp keeps its arguments' aliasing])."""
+    for other, rec in recordings.items():
+        if rec is not None and other[:3] == key[:3]:
+            log.debug(
+                "%s recorded apart from %s: its arguments alias otherwise (%s; there: %s)",
+                _compat.source_name(source),
+                rec.path,
+                trace_aliasing.describe(key[3]),
+                trace_aliasing.describe(other[3]),
+            )
+            return
 
 
 def install(patches: Patcher) -> None:

@@ -157,6 +157,10 @@ def record(tx: Any, module_vt: Any, source: Any, args: list[Any], trace: Any, re
                 raise StampError("it made data-dependent sizes")
             if n.target in _AUTOGRAD_CALLS:  # traced by reachability from its inputs' autograd graph (views too)
                 raise StampError(f"it calls {n.target.__name__}")
+            if n.target is getattr and n.args[1:] == ("_base",):
+                # whether and of what a tensor is a view, which the call key holds only among the arguments (NOTE
+                # [a stamp keeps its arguments' aliasing] in trace_aliasing.py)
+                raise StampError("it reads a tensor's _base")
         if any(calls_before.get(k, 0) for k in tx.num_calls if tx.num_calls[k] != calls_before.get(k, 0)):
             raise StampError("a module of the block was called before")
         if _compat.frame_registrations(output) != hooks_before:

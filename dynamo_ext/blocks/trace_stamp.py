@@ -12,7 +12,7 @@ import torch.fx
 from torch.fx.node import map_arg
 
 from .. import _compat
-from . import trace_guards
+from . import trace_aliasing, trace_guards
 from .trace_guards import Renaming, StampError
 from .trace_record import (
     REDUNDANT,
@@ -34,6 +34,8 @@ def stamp(tx: Any, rec: Recording, module_vt: Any, source: Any, args: list[Any])
     old_module = rec.module_ref()
     if old_module is None or any(getattr(n, "_erased", False) for n in (rec.result, *rec.nodes)):
         raise StampError("the recorded nodes are gone (a rolled-back trace)")
+    arg_nodes = [node_of(a) for a in args]
+    trace_aliasing.check_mapping(rec.args, arg_nodes)
     new_path = REDUNDANT.sub(r".\2", _compat.source_name(module_vt.get_nn_module_stack_source()))
     renaming = Renaming(
         rec.source,
@@ -53,8 +55,7 @@ def stamp(tx: Any, rec: Recording, module_vt: Any, source: Any, args: list[Any])
         raise StampError("a module of the block was called before")
     moved = _ModuleStacks(renaming, old_module, module_vt.value)
     nodes: dict[torch.fx.Node, torch.fx.Node] = {p: p for p in rec.external}
-    for old, new in zip(rec.args, args):
-        node = node_of(new)
+    for old, node in zip(rec.args, arg_nodes):
         if old is not None and node is not None:
             nodes[old] = node
     _lift_inputs(tx, rec, renaming, paths, moved, resolve, nodes)
