@@ -96,8 +96,8 @@ def test_dtypes_groups_and_ops_get_their_own_buckets(world):
     def fn(a, b, c, d, e, f):
         return [
             funcol.all_reduce(a, "sum", dist.group.WORLD),
-            funcol.all_reduce(b.to(torch.bfloat16), "sum", dist.group.WORLD),  # the cast joins the bf16 pack
             funcol.all_reduce(c, "sum", dist.group.WORLD),
+            funcol.all_reduce(b.to(torch.bfloat16), "sum", dist.group.WORLD),  # the cast joins the bf16 pack
             funcol.all_reduce(d.to(torch.bfloat16), "sum", dist.group.WORLD),
             funcol.all_reduce(e, "sum", sub),
             funcol.all_reduce(f, "max", dist.group.WORLD),
@@ -106,6 +106,30 @@ def test_dtypes_groups_and_ops_get_their_own_buckets(world):
     args = [torch.randn(64 + i) for i in range(6)]
     out, code = _compile(fn, *args)
     assert _collective_calls(code[code.index("def call") :]) == 4  # f32 sum, bf16 sum, other group, max
+    for o, r in zip(out, fn(*args)):
+        assert torch.equal(o, r)
+
+
+def test_interleaved_keys_keep_the_communication_order(world):
+    """float32 and bfloat16 all-reduces in turn: a bucket never moves one across the other (NOTE [buckets keep
+    the communication order]), so only the runs of one key merge and the issue order is the program's."""
+
+    def fn(a, b, c, d, e):
+        return [
+            funcol.all_reduce(a, "sum", dist.group.WORLD),
+            funcol.all_reduce(b, "sum", dist.group.WORLD),
+            funcol.all_reduce(c.to(torch.bfloat16), "sum", dist.group.WORLD),
+            funcol.all_reduce(d, "sum", dist.group.WORLD),
+            funcol.all_reduce(e, "sum", dist.group.WORLD),
+        ]
+
+    args = [torch.randn(64 + i) for i in range(5)]
+    out, code = _compile(fn, *args)
+    call = code[code.index("def call") :]
+    assert _collective_calls(call) == 3  # {a, b}, c, {d, e}
+    FileCheck().check("bucketed_collective.default(").check("all_reduce_.default(").check(
+        "bucketed_collective.default("
+    ).run(call)
     for o, r in zip(out, fn(*args)):
         assert torch.equal(o, r)
 
@@ -368,7 +392,9 @@ def test_all_gather_reduce_scatter_plan_and_layout():
     FakeTensorProp(gm, mode).propagate(*fake)
     before = str(gm.graph)
     plan = bucketing.plan_buckets(gm.graph)
-    assert [[m.collective.args[0].name for m in b] for b in plan] == [["x0", "x1", "x3", "x8"], ["x4", "x5", "x9"]]
+    # runs of one key only: another group, kind or op between closes a bucket (NOTE [buckets keep the
+    # communication order])
+    assert [[m.collective.args[0].name for m in b] for b in plan] == [["x0", "x1"], ["x4", "x5"]]
     assert bucketing.bucket_key(plan[0][0].collective)[:3] == ("all_gather", "0", 4)
     assert str(gm.graph) == before  # planning is pure, and gives the same plan every time
     assert [[m.collective for m in b] for b in bucketing.plan_buckets(gm.graph)] == [
@@ -377,11 +403,11 @@ def test_all_gather_reduce_scatter_plan_and_layout():
 
     real = [torch.randn(s) for s in shapes]
     expected = _SimulatedWorld(gm, 2, 4).run(*real)
-    assert bucketing.bucket_collectives(gm.graph) == 5
+    assert bucketing.bucket_collectives(gm.graph) == 2
     gm.recompile()
     targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
-    assert targets.count(c10d.all_gather_into_tensor.default) == 2  # the merged one and group "1"
-    assert targets.count(c10d.reduce_scatter_tensor.default) == 3  # the merged one, group "2", max
+    assert targets.count(c10d.all_gather_into_tensor.default) == 4  # the merged one, group "1", x3, x8
+    assert targets.count(c10d.reduce_scatter_tensor.default) == 4  # the merged one, group "2", max, x9
     got = _SimulatedWorld(gm, 2, 4).run(*real)
     for o, e in zip(got, expected):
         assert o.shape == e.shape and o.is_contiguous() and torch.equal(o, e)

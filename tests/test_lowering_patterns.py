@@ -302,7 +302,7 @@ def test_user_post_grad_pass_runs_first_and_comes_back_on_uninstall():
     with cfg.patch(post_grad_custom_post_pass=user, fx_graph_cache=False):  # a cache hit would skip the passes
         with dynamo_ext.enabled():
             chained = cfg.post_grad_custom_post_pass
-            assert chained.passes[0] is user and len(chained.passes) == 4
+            assert chained.passes[0] is user and len(chained.passes) == 5  # the user's, then our four
             assert chained.uuid()[0] == b"user-pass"
             torch.compile(lambda x: x.sin() + 1, backend="inductor")(torch.randn(4))
             assert calls == ["user"]

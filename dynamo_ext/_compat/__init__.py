@@ -194,6 +194,9 @@ from .inductor import (
     lowering_table,
     make_lowering,
     ops_handler,
+    preserve_node_ordering,
+    simple_overlap_enabled,
+    simple_overlap_patch,
 )
 from .probes import optional_attr
 from .structured_logs import (
@@ -404,6 +407,7 @@ __all__ = [
     "pending_attrs",
     "precompile_cache_classes",
     "prefix_store",
+    "preserve_node_ordering",
     "proxy_tensor_module",
     "raise_observed_exception",
     "records_dir",
@@ -419,6 +423,8 @@ __all__ = [
     "script_object_type",
     "serializable_compiler",
     "shape_env_facts",
+    "simple_overlap_enabled",
+    "simple_overlap_patch",
     "skip_frames_of",
     "source_kind",
     "source_name",

@@ -130,3 +130,38 @@ def estimate_collective_ms(node: Any, *, intra_bw: float | None = None, inter_bw
             return float(estimate(node))
     except Exception:
         return None
+
+
+_SIMPLE_OVERLAP = "aten_distributed_optimizations.enable_simple_overlap"
+
+
+def simple_overlap_enabled() -> bool | None:
+    """Whether Inductor's ``simple_overlap`` scheduler pass is on; ``None`` where this Inductor has no such switch.
+
+    ``torch._inductor.config.aten_distributed_optimizations.enable_simple_overlap`` (on by default where it
+    exists, 2.14+): it moves the collectives it recognises (``ir._CollectiveKernel``) earlier and their waits
+    later, and keeps their order among themselves only (pytorch#189454).
+    """
+    section = getattr(inductor_config(), "aten_distributed_optimizations", None)
+    value = getattr(section, "enable_simple_overlap", None)
+    return None if value is None else bool(value)
+
+
+def simple_overlap_patch(enabled: bool) -> dict[str, bool]:
+    """A ``torch._inductor.config.patch`` dict turning ``simple_overlap`` on or off; ``{}`` where it does not exist."""
+    return {} if simple_overlap_enabled() is None else {_SIMPLE_OVERLAP: enabled}
+
+
+def preserve_node_ordering() -> Callable[..., None] | None:
+    """``torch._inductor.fx_passes.control_dependencies.preserve_node_ordering``, or ``None`` where it is missing.
+
+    ``preserve_node_ordering(graph, {node: deps})`` wraps each ``node`` in the ``control_deps`` higher-order op
+    with ``deps`` as ordering-only inputs; its lowering records them as dependencies every scheduler pass keeps
+    (what Inductor's own overlap scheduling inserts to hold its order; 2.13 and 2.15 have it, checked here).
+    """
+    try:
+        module = importlib.import_module("torch._inductor.fx_passes.control_dependencies")
+    except ImportError:
+        return None
+    fn = getattr(module, "preserve_node_ordering", None)
+    return fn if callable(fn) else None

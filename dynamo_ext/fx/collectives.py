@@ -18,6 +18,20 @@ the legacy ops name their group ``tag``).
 
 The text of a graph (all a ``TORCH_TRACE`` log or an AOT cache hit keeps) is
 read by :func:`names_in_text`, the one place a graph is read as text.
+
+NOTE [communication ops]
+What a pass that moves nodes must keep in the order the program issues them
+(:func:`is_communication`) is wider than what the readers above compare: every
+collective and point-to-point op of the c10d namespaces, our own ops that
+communicate (:data:`PLUGIN_COMMUNICATION_OPS`: a bucket, the fused all-reduce
+kernels), the symmetric-memory ops (cross-rank barriers and copies, namespace
+``symm_mem``) and a higher-order op whose body holds any of these.  A barrier
+(``dist.barrier()`` traces to an all-reduce of a one-element zero tensor,
+NOTE [barrier in a graph]) is one of them; :func:`is_barrier` tells it apart
+from an all-reduce of data by where it was traced (the same on every rank),
+and the bucketing pass leaves it alone.
+Waits are not communication ops: moving a wait later never changes what a
+peer sees.
 """
 
 from __future__ import annotations
@@ -25,6 +39,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import operator
+import os
 import re
 from collections.abc import Iterator
 from typing import Any
@@ -33,17 +48,23 @@ import torch
 import torch.fx
 
 from .. import _compat
-from ..node_origin import group_name, user_frame
+from ..node_origin import group_name, stack_frames, user_frame
 from .nodes import example_value, tensor_bytes
 
 __all__ = [
+    "BARRIER_POLYFILL",
+    "COMMUNICATION_NAMESPACES",
     "NAMESPACES",
+    "PLUGIN_COMMUNICATION_OPS",
     "POINT_TO_POINT",
     "TRAFFIC",
     "WAITS",
     "FxCollective",
     "collective_names",
+    "is_barrier",
     "is_collective",
+    "is_communication",
+    "is_point_to_point",
     "is_wait",
     "iter_collectives",
     "names_in_text",
@@ -55,6 +76,12 @@ __all__ = [
 NAMESPACES = frozenset({"_c10d_functional", "_c10d_functional_autograd", "c10d_functional", "c10d"})
 WAITS = frozenset({"wait_tensor", "wait"})
 POINT_TO_POINT = frozenset({"isend", "irecv", "batch_p2p_ops", "send", "recv_", "recv_any_source_"})
+# NOTE [communication ops]: this package's own ops that communicate (``dynamo_ext/inductor_lowerings``), by schema
+# name, and the namespaces whose every op does.
+PLUGIN_COMMUNICATION_OPS = frozenset(
+    {"dynamo_ext::bucketed_collective", "dynamo_ext::one_shot_all_reduce_residual_rms_norm"}
+)
+COMMUNICATION_NAMESPACES = frozenset({"symm_mem"})
 
 # Functional collective (op name without overload) -> traffic kind (what a ring algorithm moves for it).
 TRAFFIC = {
@@ -109,6 +136,52 @@ def is_collective(node: torch.fx.Node) -> bool:
     """Whether ``node`` is a collective (NOTE [one collective reader]); waits are not, point-to-point ops are."""
     found = _op_name(node)
     return found is not None and found[1] not in WAITS
+
+
+def is_point_to_point(node: torch.fx.Node) -> bool:
+    """Whether ``node`` is a point-to-point op (``isend``, ``irecv``, ``batch_p2p_ops``, c10d's ``send`` ...)."""
+    found = _op_name(node)
+    return found is not None and found[1] in POINT_TO_POINT
+
+
+_ALL_REDUCES = frozenset({"all_reduce", "all_reduce_", "allreduce_"})
+# Where ``dist.barrier()`` traces to (the plugin's polyfill, NOTE [barrier in a graph]): file and function.
+BARRIER_POLYFILL = (
+    os.path.join(os.path.dirname(os.path.dirname(__file__)), "variables", "c10d", "rooted.py"),
+    "barrier",
+)
+
+
+def is_barrier(node: torch.fx.Node) -> bool:
+    """Whether ``node`` is a barrier: the all-reduce ``dist.barrier()`` traces to (NOTE [communication ops]).
+
+    Told by the innermost frame of its stack trace (the polyfill, :data:`BARRIER_POLYFILL`), which every rank
+    that called ``dist.barrier()`` there shares; not by its input, which may be a constant on some ranks only
+    (a loss the first pipeline stage leaves at zero).
+    """
+    found = _op_name(node)
+    if found is None or found[1] not in _ALL_REDUCES:
+        return False
+    frames = stack_frames(node.meta.get("stack_trace"))
+    return bool(frames) and (os.path.abspath(frames[-1][0]), frames[-1][2]) == BARRIER_POLYFILL
+
+
+def is_communication(node: torch.fx.Node) -> bool:
+    """Whether ``node`` communicates with other ranks (NOTE [communication ops]): a collective (point-to-point and
+    barriers included), one of :data:`PLUGIN_COMMUNICATION_OPS`, a symmetric-memory op, or a higher-order op
+    whose body holds one.  Waits are not."""
+    if node.op != "call_function":
+        return False
+    schema = _schema(node)
+    if schema is not None:
+        namespace, _, name = schema.name.partition("::")
+        if namespace in NAMESPACES:
+            return name not in WAITS
+        return namespace in COMMUNICATION_NAMESPACES or schema.name in PLUGIN_COMMUNICATION_OPS
+    if not _compat.is_higher_order_op(node.target):
+        return False
+    owner = node.graph.owning_module
+    return owner is not None and any(is_communication(n) for sub in _subgraphs(owner, node) for n in sub.graph.nodes)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

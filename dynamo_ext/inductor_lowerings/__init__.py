@@ -1,7 +1,7 @@
 """Inductor lowerings and post-grad passes that fuse collectives with their neighbours.
 
 ``install(patches)`` (called by :func:`dynamo_ext.install`) defines our two custom
-ops, registers their lowerings in Inductor's ``lowerings`` table, and appends three
+ops, registers their lowerings in Inductor's ``lowerings`` table, and appends four
 post-grad passes after any the user set in
 ``torch._inductor.config.post_grad_custom_post_pass``:
 
@@ -10,8 +10,13 @@ post-grad passes after any the user set in
 2. :class:`~.bucketing.AllReduceBucketingPass`: independent small all-reduces,
    and FSDP-style dim-0 all-gathers and reduce-scatters, merged per group,
    dtype (and reduce op) into one collective each bucket (NOTE [all-reduce
-   bucketing order], NOTE [all-gather / reduce-scatter buckets]);
-3. :class:`~.subgraph_outputs.SubgraphOutputCopyPass`: an ``invoke_subgraph``
+   bucketing order], NOTE [all-gather / reduce-scatter buckets]), never across
+   other communication (NOTE [buckets keep the communication order]);
+3. :class:`~.comm_order.CommunicationOrderPass`: ordering dependencies that keep
+   the program's communication order under Inductor's scheduling passes, where
+   a graph holds point-to-point ops or our own communication ops (NOTE
+   [communication order under Inductor's passes]);
+4. :class:`~.subgraph_outputs.SubgraphOutputCopyPass`: an ``invoke_subgraph``
    body returns no input of its own, so Inductor cannot overwrite a saved
    activation (NOTE [subgraph outputs that alias inputs]).
 
@@ -32,7 +37,7 @@ def install(patches: Patcher) -> None:
     """
     if not _compat.has_functional_collectives():
         return
-    from . import bucket_op, bucketing, ops, rms_norm_fusion, rms_norm_lowering, subgraph_outputs
+    from . import bucket_op, bucketing, comm_order, ops, rms_norm_fusion, rms_norm_lowering, subgraph_outputs
     from .registry import append_post_grad_passes, install_lowerings
 
     patches.on_undo(_compat.forget_symm_mem_groups)  # NOTE [symmetric memory route]
@@ -44,6 +49,7 @@ def install(patches: Patcher) -> None:
         [
             rms_norm_fusion.ResidualRMSNormPass(),
             bucketing.AllReduceBucketingPass(),
+            comm_order.CommunicationOrderPass(),  # NOTE [communication order under Inductor's passes]
             subgraph_outputs.SubgraphOutputCopyPass(),  # NOTE [subgraph outputs that alias inputs]
         ],
     )

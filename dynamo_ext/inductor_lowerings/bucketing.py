@@ -1,15 +1,32 @@
 """Collective bucketing: merge independent small collectives (all-reduce, all-gather, reduce-scatter) into one per bucket.
 
 NOTE [all-reduce bucketing order]
-Candidates are visited in graph order; a candidate joins the open bucket of its
-key (kind, group, reduce op, dtype; group size for all-gather / reduce-scatter)
-unless its input is computed from a result already in the bucket, or a
-collective (or another node that cannot move, one with side effects) that reads
-such a result comes before it.  The merged collective then sits where the last
-member's collective was: every member's input exists there; the compute that
-read a member's result before that point moves after the merged collective's
-unpacking, in its order.  Collectives are never moved earlier, and buckets are
-issued in the order of their last members.
+Candidates are visited in graph order; a candidate joins the open bucket when
+it has the bucket's key (kind, group, reduce op, dtype; group size for
+all-gather / reduce-scatter), unless its input is computed from a result
+already in the bucket, or a node that cannot move (one with side effects) reads
+such a result before it.  Any other communication op closes the open bucket
+(NOTE [buckets keep the communication order]).  The merged collective then
+sits where the last member's collective was: every member's input exists
+there; the compute that read a member's result before that point moves after
+the merged collective's unpacking, in its order.  Collectives are never moved
+earlier.
+
+NOTE [buckets keep the communication order]
+A bucket's members are consecutive in the order the program issues its
+communication: point-to-point ops, barriers, collectives of another key or
+group, collectives the pass leaves alone, our own communicating ops and the
+symmetric-memory ops (NOTE [communication ops], :func:`~dynamo_ext.fx.collectives.is_communication`)
+each close the open bucket.  Moving a member's collective to the last member's
+place then moves it across compute and waits only, so every rank issues its
+communication in its program's order whatever it plans: merged, unmerged
+(NOTE [buckets only where ranks agree]) or not bucketed at all.  Before, a
+bucket could move an all-reduce across a blocking ``send`` on the ranks whose
+plan merged it and not on the others (their data flow kept it apart), and the
+ranks waited for each other (one in the ``send``, the other in the all-reduce);
+and collectives of two keys, interleaved, were issued in another order on a
+rank whose data flow split one of the buckets.  The price: interleaved keys
+(float32 and bfloat16 gradients in turn) bucket only in runs of one key.
 
 NOTE [rank-invariant first use]
 Ranks do not compile identical graphs: the plugin folds the rank to a constant,
@@ -111,7 +128,7 @@ def _enabled(kind: str) -> bool:
 def _candidate(node: torch.fx.Node) -> tuple[tuple[Any, ...], int] | None:
     """``(bucket key, bytes counted against the limits)`` of a bucketable collective, or None.
 
-    The predicate of the pass: a collective whose only user is its ``wait_tensor``,
+    The predicate of the pass: a collective (not a barrier) whose only user is its ``wait_tensor``,
     whose input and result are static and contiguous, and (all-gather,
     reduce-scatter) whose shapes follow the dim-0 rule of NOTE [all-gather /
     reduce-scatter buckets].  Anything it does not recognise is left alone.
@@ -121,8 +138,8 @@ def _candidate(node: torch.fx.Node) -> tuple[tuple[Any, ...], int] | None:
     if kind is None or node.kwargs or len(node.args) != _ARITY[kind] or not _enabled(kind):
         return None
     coll = fx_collectives.read(node)
-    if coll is None or len(node.users) != 1:
-        return None
+    if coll is None or len(node.users) != 1 or fx_collectives.is_barrier(node):
+        return None  # a barrier stays where the program put it (NOTE [buckets keep the communication order])
     wait = next(iter(node.users))
     if wait.target is not c10d.wait_tensor.default or not wait.users:
         return None
@@ -167,7 +184,7 @@ def bucket_key(node: torch.fx.Node) -> tuple[Any, ...] | None:
 
 
 # Namespaces whose ops are collectives or waits: never moved across a merged collective.
-_COLLECTIVE_NAMESPACES = fx_collectives.NAMESPACES | {"symm_mem"}
+_COLLECTIVE_NAMESPACES = fx_collectives.NAMESPACES | fx_collectives.COMMUNICATION_NAMESPACES
 
 
 def _movable(node: torch.fx.Node) -> bool:
@@ -191,38 +208,36 @@ class _OpenBucket:
 def plan_buckets(graph: torch.fx.Graph) -> list[list[_Member]]:
     """Buckets of two or more collectives, in graph order (NOTE [all-reduce bucketing order]).
 
-    A pure function of the collective sequence and the data flow between the
-    collectives, not of where compute reads their results (NOTE [rank-invariant first use]).
+    A pure function of the communication sequence (NOTE [buckets keep the
+    communication order]) and the data flow between the collectives, not of
+    where compute reads their results (NOTE [rank-invariant first use]).
     """
-    pos = {n: i for i, n in enumerate(graph.nodes)}
-    open_buckets: dict[tuple[Any, ...], _OpenBucket] = {}
     done: list[_OpenBucket] = []
+    bucket: _OpenBucket | None = None
     waits: set[torch.fx.Node] = set()
     for node in graph.nodes:
         found = _candidate(node)
         if found is None:
             if node in waits:
                 continue  # a member's own wait: the source of its bucket's taint, not a reader
-            for bucket in open_buckets.values():
-                if any(a in bucket.tainted for a in node.all_input_nodes):
-                    bucket.tainted.add(node)
-                    bucket.closed = bucket.closed or not _movable(node)
+            if bucket is not None and fx_collectives.is_communication(node):
+                done.append(bucket)  # NOTE [buckets keep the communication order]
+                bucket = None
+            elif bucket is not None and any(a in bucket.tainted for a in node.all_input_nodes):
+                bucket.tainted.add(node)
+                bucket.closed = bucket.closed or not _movable(node)
             continue
         key, nbytes = found
         wait = next(iter(node.users))
+        waits.add(wait)
         member = _Member(node, wait, example_value(node.args[0]).numel(), tuple(example_value(node).shape))
-        for bucket in open_buckets.values():  # a candidate of another key reading a member's result
-            if bucket.key != key and any(a in bucket.tainted for a in node.all_input_nodes):
-                bucket.tainted.add(node)
-                bucket.closed = True
-        bucket = open_buckets.get(key)
         joins = (
             bucket is not None
+            and bucket.key == key
             and not bucket.closed
             and not any(a in bucket.tainted for a in node.all_input_nodes)
             and bucket.nbytes + nbytes <= options.bucket_cap_bytes
         )
-        waits.add(wait)
         if joins and bucket is not None:
             bucket.members.append(member)
             bucket.nbytes += nbytes
@@ -230,10 +245,10 @@ def plan_buckets(graph: torch.fx.Graph) -> list[list[_Member]]:
             continue
         if bucket is not None:
             done.append(bucket)
-        open_buckets[key] = _OpenBucket(key, [member], nbytes, {wait})
-    done.extend(open_buckets.values())
-    ordered = sorted(done, key=lambda b: pos[b.members[0].collective])
-    return [b.members for b in ordered if len(b.members) > 1]
+        bucket = _OpenBucket(key, [member], nbytes, {wait})
+    if bucket is not None:
+        done.append(bucket)
+    return [b.members for b in done if len(b.members) > 1]
 
 
 def _readers_before(members: list[_Member], anchor: torch.fx.Node) -> list[torch.fx.Node]:

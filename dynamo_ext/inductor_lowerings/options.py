@@ -37,6 +37,10 @@ the unsharded side, world size x shard)."""
 bucket_cap_bytes: int = 32 << 20
 """A bucket closes before it would exceed this many bytes (counted as for ``bucket_small_bytes``)."""
 
+keep_communication_order: bool = True
+"""Add ordering dependencies so Inductor's scheduling passes keep the program's communication order in graphs
+holding point-to-point ops or our own communication ops (NOTE [communication order under Inductor's passes])."""
+
 row_fused_max_hidden: int = 1 << 16
 """Row-fused epilogue (sum recomputed per row) only when a row has at most this many elements."""
 

@@ -26,7 +26,11 @@ On CUDA, when the group has symmetric memory, the all-reduce itself is folded in
 each output, lowered to a ``_CollectiveKernel`` whose input is realized as a
 symmetric-memory comm buffer (NOTE [lowering-time collective optimization] in
 torch/_inductor/comm_lowering.py), so the producer writes straight into it and
-Inductor's comm reordering still sees a collective.
+Inductor's comm reordering still sees a collective.  The fused op issues the
+all-reduce where the add was; where a communication op lies between the two
+(a ``send``, another collective: NOTE [communication ops]), the kernel is
+refused and the epilogue fusion keeps the collective in its place
+(NOTE [buckets keep the communication order] in bucketing.py says why).
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ import torch
 import torch.fx
 
 from .. import _compat
+from ..fx import collectives as fx_collectives
 from ..fx.nodes import example_value, is_call, sole_user, static_shape, tensor_bytes
 from . import decisions, ops, options
 from .graph_edit import call, getitems
@@ -319,8 +324,8 @@ def one_shot_refusal(match: ResidualRMSNormMatch) -> str | None:
     tensor read only by the add, fp32/bf16/fp16, at most ``options.two_shot_max_bytes``
     (the op picks the one-shot or the two-shot kernel by size when it runs,
     :func:`ops.fused_all_reduce_algorithm`), rows of at most ``options.one_shot_max_hidden``,
-    triton, Inductor comm buffers and symmetric memory in this build, the chain's dtypes.
-    Every input is the same on every rank (the graph, the options, the build): no
+    triton, Inductor comm buffers and symmetric memory in this build, the chain's dtypes,
+    no communication op between the all-reduce and the add.  Every input is the same on every rank (the graph, the options, the build): no
     local state such as the deprecated symmetric-memory registry (NOTE [symmetric
     memory route] in _compat/symm_mem.py), so every rank decides alike.
     """
@@ -352,10 +357,25 @@ def one_shot_refusal(match: ResidualRMSNormMatch) -> str | None:
         (lambda: _compat.comm_buffer_api() is not None, "this Inductor has no symmetric-memory comm buffers"),
         (lambda: _compat.symm_mem_route() != "none", "this torch build has no symmetric memory"),
         (lambda: _one_shot_dtypes_supported(match), "the chain's casts are not supported by the kernel"),
+        (
+            lambda: _communication_between(match) is None,
+            f"{_communication_between(match)} communicates between the all-reduce and the residual add "
+            "(the fused kernel would move the all-reduce across it)",
+        ),
     )
     for ok, reason in checks:
         if not ok():
             return reason
+    return None
+
+
+def _communication_between(match: ResidualRMSNormMatch) -> str | None:
+    """The name of the first communication op between the all-reduce and the add (NOTE [communication ops]), or None."""
+    node = match.all_reduce.next
+    while node is not match.add and node.op != "output":
+        if node is not match.wait and fx_collectives.is_communication(node):
+            return node.name
+        node = node.next
     return None
 
 
