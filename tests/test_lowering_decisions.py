@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import warnings
@@ -141,17 +142,19 @@ def test_first_failed_condition_follows_the_documented_order(world):
 
 
 def test_on_by_default_without_any_user_call_and_recorded(world, cpu_kernel_path):
-    """2.13: ``enable_symm_mem_for_group`` is deprecated; the pass fuses without it (and without calling it)."""
+    """2.13 and 2.15: ``enable_symm_mem_for_group`` is deprecated; the pass fuses without it (and without calling it),
+    whatever this release's ``is_symm_mem_enabled_for_group`` answers (2.15: no accelerator backend here)."""
     if _compat.symm_mem_route() != "automatic":
         pytest.skip(f"this torch's symmetric-memory route is {_compat.symm_mem_route()!r}")
     mod = _compat.symm_mem_module()
-    assert not mod.is_symm_mem_enabled_for_group("0") and not getattr(mod, "_is_test_mode", False)
+    assert not _compat.symm_mem_registered("0") and not getattr(mod, "_is_test_mode", False)
+    assert not _compat.is_symm_mem_enabled_for_group("0")  # 2.13: not registered; 2.15: no backend on the CPU
     args = _args(torch.float32, rows=8, hidden=64)
     with warnings.catch_warnings():
         warnings.simplefilter("error", FutureWarning)  # the deprecated call is never made
         out, code = _compile(block_manual, *args)
     assert "dynamo_ext.one_shot_all_reduce_residual_rms_norm.default(" in code[code.index("def call") :]
-    assert not mod.is_symm_mem_enabled_for_group("0")
+    assert not _compat.symm_mem_registered("0")
     assert [(r.kernel, r.nbytes) for r in decisions.applied_fusions()] == [("one_shot", 2048)]
     for o, e in zip(out, block_manual(*args)):
         torch.testing.assert_close(o, e, rtol=1e-6, atol=1e-6)
@@ -180,8 +183,34 @@ def test_applied_fusions_reach_the_structured_trace(world):
     ]
 
 
+def test_this_release_route_never_registers_and_uninstall_leaves_the_registry(world, cpu_kernel_path, monkeypatch):
+    """The route this release really has, through its own functions: where ``enable_symm_mem_for_group`` is
+    deprecated (2.13, 2.15) the pass never calls it, two compiles fuse alike, and uninstall leaves the registry
+    (which a user may have written) as it was."""
+    route = _compat.symm_mem_route()
+    if route != "automatic":
+        pytest.skip(f"this torch's symmetric-memory route is {route!r}")
+    mod = _compat.symm_mem_module()
+    real = mod.enable_symm_mem_for_group
+    calls = []
+    spy = functools.wraps(real)(lambda group_name: calls.append(group_name) or real(group_name))
+    monkeypatch.setattr(mod, "enable_symm_mem_for_group", spy)  # keeps the real one's deprecation mark
+    assert _compat.symm_mem_route() == "automatic"
+    for _ in range(2):
+        _compile(block_manual, *_args(torch.float32, rows=4, hidden=16))
+    assert calls == [] and not _compat.symm_mem_registered("0")
+    assert [r.kernel for r in decisions.applied_fusions()] == ["one_shot", "one_shot"]
+    monkeypatch.setitem(mod._group_name_to_store, "user's", object())
+    dynamo_ext.uninstall()
+    assert _compat.symm_mem_registered("user's")
+    dynamo_ext.install()
+
+
 def test_enable_route_registers_the_group_once_and_uninstall_forgets_it(world, cpu_kernel_path, monkeypatch):
-    """2.11/2.12 route, simulated: ``enable_symm_mem_for_group`` not deprecated, so the pass calls it."""
+    """The pre-2.13 route (2.11, 2.12: ``enable_symm_mem_for_group`` not deprecated), which no release this suite
+    runs on has, so its function is replaced: the pass registers the group once and uninstall forgets it.
+    Registration is read from the registry the function writes, not from ``is_symm_mem_enabled_for_group``
+    (whose 2.15 meaning is "this accelerator has a backend")."""
     mod = _compat.symm_mem_module()
     calls = []
 
@@ -193,9 +222,9 @@ def test_enable_route_registers_the_group_once_and_uninstall_forgets_it(world, c
     assert _compat.symm_mem_route() == "enable"
     for _ in range(2):
         _compile(block_manual, *_args(torch.float32, rows=4, hidden=16))
-    assert calls == ["0"] and mod.is_symm_mem_enabled_for_group("0")
+    assert calls == ["0"] and _compat.symm_mem_registered("0")
     dynamo_ext.uninstall()
-    assert not mod.is_symm_mem_enabled_for_group("0")
+    assert not _compat.symm_mem_registered("0")
     dynamo_ext.install()
 
 
@@ -292,7 +321,7 @@ def _differing_rank(rank: int, world_size: int) -> dict:
     call = "\n".join(code)
     call = call[call.index("def call") :]
     return {
-        "enabled_here": _compat.is_symm_mem_enabled_for_group(group),
+        "enabled_here": _compat.symm_mem_registered(group),
         "fused": "one_shot_all_reduce_residual_rms_norm.default(" in call,
         "stock_all_reduce": "all_reduce_.default(" in call,
         "kernels": [r.kernel for r in decisions.applied_fusions()],

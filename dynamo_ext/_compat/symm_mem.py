@@ -18,10 +18,20 @@ def symm_mem_module() -> Any:
 
 
 def is_symm_mem_enabled_for_group(group_name: str) -> bool:
-    """Stock's own test: whether symmetric memory is set up for ``group_name``."""
+    """Stock's own test for ``group_name``, whose meaning changed: up to 2.13, whether the group is in the registry
+    ``enable_symm_mem_for_group`` writes; on 2.15, whether this process's accelerator has a symmetric-memory
+    backend and the group is a registered process group (False on a CPU-only process).  Neither is a fact every
+    rank shares, so no decision reads it (NOTE [symmetric memory route])."""
     mod = symm_mem_module()
     fn = getattr(mod, "is_symm_mem_enabled_for_group", None)
     return bool(fn is not None and fn(group_name))
+
+
+def symm_mem_registered(group_name: str) -> bool:
+    """Whether ``group_name`` is in the registry ``enable_symm_mem_for_group`` writes (``_group_name_to_store``,
+    2.11 to 2.15): what that call changed on this rank, whatever ``is_symm_mem_enabled_for_group`` means here."""
+    registry = getattr(symm_mem_module(), "_group_name_to_store", None)
+    return isinstance(registry, dict) and group_name in registry
 
 
 def symm_mem_state_key() -> str:
@@ -46,11 +56,14 @@ def symm_mem_rendezvous(tensor: torch.Tensor, group_name: str) -> Any:
 # Where ``enable_symm_mem_for_group`` exists and is not marked deprecated (2.11, 2.12),
 # a group must be registered with it before Inductor's ``empty_strided_p2p`` can
 # allocate for it; where it is deprecated (2.13+, "there is no need to call this
-# function anymore") or gone, every group is set up on first rendezvous and
-# ``is_symm_mem_enabled_for_group`` only reflects the deprecated registry, so it must
-# not gate the fusion.  Either way the decision to fuse never reads that local
-# registry: it depends only on what every rank shares (the graph, the options, the
-# build), and the registration is a side effect of the decision.
+# function anymore") or gone, every group is set up on first rendezvous.  On 2.13
+# ``is_symm_mem_enabled_for_group`` only reflects the deprecated registry; on 2.15 it
+# asks whether this process's accelerator has a symmetric-memory backend (False on a
+# CPU-only process, whatever was registered).  Either way the decision to fuse never
+# reads it: it depends only on what every rank shares (the graph, the options, the
+# build), and the registration is a side effect of the decision.  Whether a group is
+# registered is read from the registry itself (:func:`symm_mem_registered`), so
+# registering stays once per group on every release.
 _ENABLED_BY_US: set[str] = set()
 
 
@@ -80,7 +93,7 @@ def ensure_symm_mem_for_group(group_name: str) -> None:
     route = symm_mem_route()
     if route == "none":
         raise RuntimeError(f"symmetric memory is not available in this torch build (group {group_name!r})")
-    if route == "automatic" or is_symm_mem_enabled_for_group(group_name):
+    if route == "automatic" or symm_mem_registered(group_name):
         return
     import warnings
 
