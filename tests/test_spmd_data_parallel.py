@@ -6,6 +6,8 @@ collectives return garbage, so only graphs, compile counts and messages are chec
 
 from __future__ import annotations
 
+import hashlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -13,7 +15,8 @@ from dp_models import build, local_part, make_step
 from helpers import CountingBackend
 from torch.distributed.device_mesh import init_device_mesh
 
-from dynamo_ext.spmd import data_parallel
+from dynamo_ext.node_origin import user_frame
+from dynamo_ext.spmd import data_parallel, overlap
 
 c10d = torch.ops._c10d_functional
 aten = torch.ops.aten
@@ -122,3 +125,47 @@ def test_bad_calls(dp):
     other = torch.optim.SGD(build("mlp")[0].parameters(), lr=0.1)
     with pytest.raises(ValueError, match="holds a parameter of shape .* that belongs to no module passed to the step"):
         step(model, other, x, y)
+
+
+class _RaisingBackend:
+    """A backend whose compiled graphs raise when they run (as a failed collective check or a timeout does)."""
+
+    def __call__(self, gm, example_inputs):
+        def run(*args):
+            raise RuntimeError("the compiled graph failed while it ran")
+
+        return run
+
+
+@pytest.mark.parametrize("split", [True, False])
+def test_an_error_raised_by_a_compiled_graph_reaches_the_caller_as_itself(dp, split):
+    # Compiling the GraphModule with fullgraph=True let FX's call wrapper format the error with a generator
+    # inside Dynamo's frame hook: every error became "Unsupported: Attempt to trace generator".
+    model, data = build("mlp")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = data_parallel(make_step("mlp"), dp, backend=_RaisingBackend(), split=split)
+    with pytest.raises(RuntimeError, match="^the compiled graph failed while it ran$"):
+        step(model, opt, *(local_part(t, 0, 4) for t in data(16, 0)))
+
+
+def test_compiled_code_is_named_after_its_content(dp):
+    # NOTE [rank-invariant names for the step's code]: the collective check compares where each collective is
+    # issued. FX's <eval_with_key>.N counts this process's generated modules, a count that differs between
+    # ranks after a rank-local recompile; a name made from the code is the same on every rank that has it.
+    model, data = build("mlp")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    counting = CountingBackend("aot_eager")
+    step = data_parallel(make_step("mlp"), dp, backend=counting)
+    torch.fx.symbolic_trace(torch.nn.Identity())  # moves FX's counter on, as a recompile on this rank only does
+    step(model, opt, *(local_part(t, 0, 4) for t in data(16, 0)))
+    subs = overlap.submodule_calls(step.compiled[0].split)
+    expected = {
+        f"<data_parallel {name} {hashlib.sha1(sub.graph_module.code.encode()).hexdigest()[:16]}>" for name, sub in subs
+    }
+    issued_at = {
+        user_frame(n.meta["stack_trace"])[0]
+        for g in counting.graphs
+        for n in g.graph.nodes
+        if n.target is c10d.all_reduce.default
+    }
+    assert issued_at and issued_at <= expected, (issued_at, expected)

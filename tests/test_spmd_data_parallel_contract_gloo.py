@@ -12,6 +12,8 @@ One launch, several small MLP steps, each against eager DistributedDataParallel
 - a loss with a parameter regularizer (a Partial mean plus a replicated term);
 - gradients clamped in place after ``loss.backward()`` (the clamp must read
   the averaged gradients, as after DDP's all-reduce);
+- an uneven last batch, a single sample on rank 3 at step 3 (compiled with
+  ``aot_eager``), then a second epoch at a new LR;
 - a first step where rank 1 has a single sample: every rank raises the same
   ``ValueError`` (not a collective-check timeout on the others).
 """
@@ -247,6 +249,53 @@ def _one_sample(rank: int, world: int) -> dict[str, object]:
     return {"error": None, "message": ""}
 
 
+def _uneven_last_batch(rank: int, world: int) -> dict[str, object]:
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from dynamo_ext.spmd import data_parallel
+
+    mesh, model, ref, ddp, opt, ref_opt, data = _setup(rank, world)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    ref_sched = torch.optim.lr_scheduler.StepLR(ref_opt, step_size=1, gamma=0.5)
+
+    def step(model, opt, x, y):
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        return loss.detach()
+
+    # Compiled (the 1-sample rank recompiles its graphs for a size-1 batch; the others do not), SGD momentum.
+    dp_step = data_parallel(step, mesh, backend="aot_eager")
+    # Two epochs of 3 steps: 4 samples per rank, then 3, then 2, 2, 2 and 1 (rank 3) in the uneven last batch;
+    # the scheduler halves the LR after each epoch, so epoch 2 runs a graph traced after that recompile.
+    epoch = [[4] * world, [3] * world, [2] * (world - 1) + [1]]
+    diffs: dict[str, list[float]] = {"loss": [], "grad": [], "param": []}
+    for i, sizes in enumerate(epoch * 2):
+        x, y = data(sum(sizes), 80 + i)
+        start = sum(sizes[:rank])
+        x, y = x[start : start + sizes[rank]], y[start : start + sizes[rank]]
+        try:
+            got = dp_step(model, opt, x, y)
+        except Exception as e:  # noqa: BLE001 - reported by the test, so the other parts' results still come back
+            return {"error": f"step {i + 1}: {type(e).__name__}: {str(e)[:2000]}"}
+        grads = [p.grad for p in model.parameters()]
+        opt.zero_grad()
+        ref_loss = F.mse_loss(ddp(x), y)
+        ref_loss.backward()
+        want = ref_loss.detach().clone()
+        dist.all_reduce(want)
+        diffs["loss"].append(float((got - want / world).abs()))
+        diffs["grad"].append(_max_diff(grads, [p.grad for p in ref.parameters()]))
+        ref_opt.step()
+        ref_opt.zero_grad()
+        diffs["param"].append(_max_diff(list(model.parameters()), list(ref.parameters())))
+        if i % len(epoch) == len(epoch) - 1:
+            sched.step()
+            ref_sched.step()
+    return {"diffs": diffs, "traces": len(dp_step.compiled), "lr": opt.param_groups[0]["lr"]}
+
+
 def _all(rank: int, world: int) -> dict[str, object]:
     cases = {
         "returns": _returns,
@@ -254,6 +303,7 @@ def _all(rank: int, world: int) -> dict[str, object]:
         "scheduler": _scheduler,
         "hook": _hook,
         "clamp": _clamp,
+        "uneven": _uneven_last_batch,
     }
     out = {name: fn(rank, world) for name, fn in cases.items()}
     out["one_sample"] = _one_sample(rank, world)  # last: it leaves a failed step behind
@@ -302,6 +352,20 @@ def test_in_place_update_of_gradients_reads_the_averaged_gradients(results):
         assert c["clamped"] > 0  # the clamp changes some averaged gradients
         assert max(c["grad"]) < 1e-6, (rank, c["grad"])
         assert max(c["param"]) < 1e-5, (rank, c["param"])
+
+
+def test_uneven_last_batch_with_one_sample_on_a_rank_equals_ddp(results):
+    # The rank with 1 sample recompiled (Dynamo specializes size 1); the graph traced after the LR change is
+    # checked across ranks where each rank's generated code had another <eval_with_key> number: every rank
+    # raised (Unsupported: Attempt to trace generator, masking a CollectiveMismatchError).
+    for rank, r in enumerate(results):
+        u = r["uneven"]
+        assert "error" not in u, (rank, u.get("error"))
+        for name in ("loss", "grad", "param"):
+            assert len(u["diffs"][name]) == 6 and max(u["diffs"][name]) < 1e-5, (rank, name, u["diffs"][name])
+        assert u["lr"] == 0.025
+        # no momentum state yet, then one trace per LR (0.1, 0.05; 0.025 after the last step is not traced)
+        assert u["traces"] == 3, (rank, u["traces"])
 
 
 def test_one_sample_first_step_is_the_same_value_error_on_every_rank(results):

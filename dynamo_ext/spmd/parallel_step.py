@@ -19,8 +19,9 @@ DTensor expansion; this keeps the single-device graph and adds collectives):
    each bucket with ``inductor_lowerings``' bucketing and splits the graph so
    each bucket's all-reduce is issued as soon as its gradients are ready
    (NOTE [gradient buckets], NOTE [split for overlap]);
-5. each submodule is compiled with ``backend`` (batch dims dynamic) and the
-   step runs on the real tensors: parameters, buffers and optimizer state are
+5. each submodule is compiled with ``backend`` (batch dims dynamic; its code
+   named the same on every rank, NOTE [rank-invariant names for the step's
+   code]) and the step runs on the real tensors: parameters, buffers and optimizer state are
    updated in place, gradients left by the step are written to ``.grad``.
 
 Every rank traces the same program on same-shaped arguments, so every rank
@@ -44,6 +45,7 @@ from ..collective_check import check_collectives, collectives
 from . import overlap, step_state
 from .batch_agreement import agree_batch_sizes
 from .batch_dim import analyze_step
+from .compiled_graph import CompiledGraph
 from .reductions import Reduction, insert_reductions
 from .step_trace import StepArgs, TracedStep, collect, static_key, trace_step
 
@@ -193,11 +195,12 @@ class DataParallelStep:
         if self.backend is None:
             return gm
         calls = overlap.submodule_calls(gm)
+        compiled: Callable[..., Any]
         if not calls:
-            compiled = torch.compile(gm, backend=self.backend, dynamic=True, fullgraph=True)
+            compiled = CompiledGraph(gm, self.backend, label="step")
         else:
             for name, sub in calls:
-                setattr(gm, name, torch.compile(sub, backend=self.backend, dynamic=True, fullgraph=True))
+                setattr(gm, name, CompiledGraph(sub, self.backend, label=name))
             compiled = gm
 
         def run(*args: Any) -> Any:
