@@ -3,6 +3,8 @@
 * :mod:`.fingerprint`: a graph's collectives, rank-invariant (NOTE [collective fingerprint]);
 * :mod:`.exchange`: the comparison per stream position through the c10d store, bounded
   (NOTE [collective stream check]);
+* :mod:`.order`: the order of each two groups' collectives on the ranks in both (NOTE [order across groups]);
+* :mod:`.plans`: a compiled graph's collectives per group, what each group's check compares;
 * :mod:`.stream`: when a graph is checked, and what a process remembers (NOTE [when the stream is checked]);
 * :mod:`.responder`: a rank answers, from its last runs, a peer's check that waits for it
   (NOTE [answering a peer's check]);

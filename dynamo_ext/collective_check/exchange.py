@@ -33,7 +33,7 @@ first all-reduce completes, which needs rank 1; the same holds when ``a`` and
 
 Each entry also says where the rank stands on its *other* groups (``"x"``:
 per group, the compiled collectives this rank issued on it before this one;
-NOTE [order across groups]).  A mismatch ends the check with
+NOTE [order across groups] in :mod:`.order`).  A mismatch ends the check with
 :class:`CollectiveMismatchError` naming the group, the position and each
 rank's collective and line (or both groups and the position where their order
 differs); the rank writes the group's abort key (``<epoch>/<group>/a``), so a
@@ -47,30 +47,6 @@ peer that never writes the position (it issues eager collectives there, or
 runs, unchecked, a graph it ran before in the same context; it died) makes the
 wait last ``config.collective_check_timeout_s``, or the default group's timeout
 when that is shorter, and then it is an error too.
-
-NOTE [order across groups]
-Per group, the streams can agree while the ranks interleave two groups
-differently: rank 0 all-reduces on group A then on group B, rank 1 on B then A
-(one helper line issuing both, so every position of each group looks alike).
-Each rank then waits in its first collective for the other: a hang no
-per-group comparison sees.  So every entry carries, for each other group the
-writer has used, how many compiled collectives it issued there before this one
-(its stream position on that group; groups at 0 are left out).  Two ranks that
-are both in group G and in group H must issue G's position ``p`` after the same
-number of H's collectives; a rank compares that for each group both it and the
-peer belong to, and only those: in a 2-D mesh rank 0's tensor-parallel group
-is {0, 1} and rank 2's is {2, 3}, so ranks 0 and 2 (which share their
-data-parallel group only) compare no other group's count, while ranks 0 and 1
-compare their counts on the world group if both use it.  The counts compare
-the order between every two groups two ranks share, which is the order that
-makes them wait for each other; a cycle through three ranks that share no two
-groups (0 waits for 1 in group {0, 1}, 1 for 2 in {1, 2}, 2 for 0 in {0, 2})
-is not seen.  A rank's counts at a graph's start are its positions then (what
-:mod:`.stream` counts anyway), plus, per collective, those of the same graph's
-earlier collectives on other groups: no cost per call beyond the count.
-A responder's entry (NOTE [answering a peer's check]) rebuilds the counts
-from the rank's history; a group whose count is older than that history is
-listed as unknown (``"u"``) and not compared.
 
 The store is reached with set/check/get only, never a collective, so the check
 cannot itself hang on a rank that never comes.
@@ -90,6 +66,8 @@ from .. import _compat, config
 from ..errors import CollectiveMismatchError
 from ..rank_ranges import format_ranks
 from .fingerprint import CollectiveSignature, same_collective
+from .order import line as _line
+from .order import order_difference
 from .responder import ask
 
 log = logging.getLogger(__name__)
@@ -318,7 +296,7 @@ class _Check:
                 if not same_collective(mine, theirs, self.rank, peer):
                     out.append(self._difference(r, r.start + i, peer, mine, theirs))
                     break
-                crossing = self._crossing(r, i, peer, entry, theirs)
+                crossing = order_difference(r, i, self.rank, peer, entry, theirs, self._ranks_of, self._own_record)
                 if crossing:
                     out.append(crossing)
                     break
@@ -329,35 +307,6 @@ class _Check:
         if ranks is None:
             ranks = self._group_ranks[group] = _compat.group_ranks(group)
         return ranks
-
-    def _crossing(
-        self, r: GroupRun, i: int, peer: int, entry: dict[str, Any], theirs: CollectiveSignature
-    ) -> str | None:
-        """A difference when ``peer`` issued ``r.records[i]`` after another number of collectives of a group both
-        ranks are in (NOTE [order across groups])."""
-        their_counts = entry.get("x")
-        if their_counts is None:
-            return None
-        skip = {*entry.get("u", ()), *r.unknown, r.group}
-        mine = r.others(i)
-        for other in sorted({*mine, *their_counts} - skip):
-            a, b = mine.get(other, 0), int(their_counts.get(other, 0))
-            ranks = self._ranks_of(other)
-            if a == b or self.rank not in ranks or peer not in ranks:
-                continue
-            first, later = (self.rank, peer) if a > b else (peer, self.rank)
-            lines = (
-                f"the order of groups {r.group!r} (ranks {format_ranks(r.ranks)}) and {other!r} (ranks "
-                f"{format_ranks(ranks)}) differs between rank {self.rank} and rank {peer}: before position "
-                f"{r.start + i} of group {r.group!r}, rank {self.rank} issued {a} collective(s) on group {other!r} "
-                f"and rank {peer} {b}, so rank {first} issues position {min(a, b)} of group {other!r} before it "
-                f"and rank {later} after it:\n  rank {self.rank}: {_line(r.records[i])}\n  rank {peer}: {_line(theirs)}"
-            )
-            known = self._own_record(other, min(a, b))
-            if known is not None:
-                lines += f"\n  position {min(a, b)} of group {other!r} on rank {self.rank}: {_line(known)}"
-            return lines
-        return None
 
     def _own_record(self, group: str, position: int) -> CollectiveSignature | None:
         for r in self.runs:
@@ -484,9 +433,3 @@ def write_graph(
     for _, r, i in sorted(order, key=lambda o: -o[0]):  # NOTE [collective stream check]
         m = None if merged is None else merged.get(r.group)
         store.set(f"{group_key(r.group)}/e/{r.start + i}/{rank}", _entry(r, i, m))
-
-
-def _line(c: CollectiveSignature | None) -> str:
-    if c is None:
-        return "no collective"
-    return f"{c.describe()} at {c.source or '<unknown source>'}"

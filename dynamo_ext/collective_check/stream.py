@@ -65,9 +65,6 @@ bucket first runs.
 
 from __future__ import annotations
 
-import dataclasses
-import hashlib
-import json
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -77,9 +74,23 @@ import torch.distributed
 from .. import _compat, config
 from .exchange import GroupRun, agree, exchange_store, write_graph
 from .fingerprint import CollectiveSignature
+from .order import positions, rebuilt_positions
+from .plans import GroupPlan as GroupPlan
+from .plans import graph_digest as graph_digest
+from .plans import group_plans as group_plans
 from .responder import History, Responder
 
 log = logging.getLogger(__name__)
+
+
+class _Pending:
+    """A bucket decision not taken yet (:func:`merge_decision` takes it); false as "not merged"."""
+
+    def __bool__(self) -> bool:
+        return False
+
+
+_PENDING = _Pending()
 
 
 class _State:
@@ -92,7 +103,7 @@ class _State:
         """group -> digest of the graph that ran last on it."""
         self.seen: dict[tuple[str | None, str], bool] = {}
         """(previous digest, digest) -> whether buckets run merged in that context."""
-        self.merge: dict[str, bool] = {}
+        self.merge: dict[str, bool | _Pending] = {}
         """group -> whether the running graph's buckets on it run merged."""
         self.issued: dict[str, int] = {}
         """group -> collectives of checked compiled graphs this rank has run on it: the next one's stream position."""
@@ -111,16 +122,6 @@ class _State:
         self.pending: dict[str, tuple[GroupRun, tuple[str | None, str]]] = {}
         """group -> (its run in the running graph, the context) where the bucket decision waits for a peer that
         reaches the group's position only after an earlier collective of the graph (:func:`merge_decision`)."""
-
-
-class _Pending:
-    """A bucket decision not taken yet (:func:`merge_decision` takes it); false as "not merged"."""
-
-    def __bool__(self) -> bool:
-        return False
-
-
-_PENDING = _Pending()
 
 
 _state = _State()
@@ -153,8 +154,8 @@ def merge_decision(group: str) -> bool:
         CollectiveMismatchError: from :func:`.exchange.agree`.
     """
     decided = _state.merge.get(group, False)
-    if decided is _PENDING:
-        decided = _decide_pending(_state, group)
+    if isinstance(decided, _Pending):
+        return _decide_pending(_state, group)
     return decided
 
 
@@ -178,62 +179,6 @@ def count_merged_away(group: str, count: int) -> None:
     _state.merged_away[group] = _state.merged_away.get(group, 0) + count
 
 
-@dataclasses.dataclass(frozen=True)
-class GroupPlan:
-    """A compiled graph's collectives on one group with another rank (what a check of that group compares)."""
-
-    group: str
-    ranks: tuple[int, ...]
-    records: tuple[CollectiveSignature, ...]
-    digest: str
-    bucketed: bool = False
-    """Whether the compiled graph has buckets on this group (which run merged where the check decides)."""
-    crossed: tuple[tuple[tuple[str, int], ...], ...] = ()
-    """Per record, ``(group, count)`` for each other group with collectives earlier in the graph
-    (NOTE [order across groups])."""
-
-
-def _pattern(ranks: Sequence[int]) -> list[int]:
-    return [r - ranks[0] for r in ranks] if ranks else []
-
-
-def graph_digest(group: str, records: Sequence[CollectiveSignature], flow: str) -> str:
-    """A digest of a graph's collectives (all groups; other groups by rank pattern) and data flow, for ``group``.
-
-    Equal on ranks of ``group`` that run the same collectives, from the same
-    lines, with the same data flow between them (:func:`.fingerprint.data_flow`).
-    """
-    rows = [
-        [c.op, c.reduce_op, list(c.tensors), list(c.args), c.phase, c.site, c.group == group, _pattern(c.ranks)]
-        for c in records
-    ]
-    return hashlib.sha1(json.dumps([rows, flow]).encode()).hexdigest()[:20]
-
-
-def group_plans(
-    records: Sequence[CollectiveSignature], flow: str, bucketed: frozenset[str] = frozenset()
-) -> list[GroupPlan]:
-    """One plan per group of ``records`` that holds this rank and another one, in order of first use.
-
-    ``bucketed``: the groups on which the compiled graph has buckets.
-    """
-    rank = _compat.global_rank()
-    by_group: dict[str, list[CollectiveSignature]] = {}
-    crossed: dict[str, list[tuple[tuple[str, int], ...]]] = {}
-    for c in records:
-        if c.group and len(c.ranks) > 1 and rank in c.ranks:
-            crossed.setdefault(c.group, []).append(tuple((g, len(cs)) for g, cs in by_group.items() if g != c.group))
-            by_group.setdefault(c.group, []).append(c)
-    return [
-        GroupPlan(g, cs[0].ranks, tuple(cs), graph_digest(g, records, flow), g in bucketed, tuple(crossed[g]))
-        for g, cs in by_group.items()
-    ]
-
-
-def _positions(counts: dict[str, int]) -> tuple[tuple[str, int], ...]:
-    return tuple((g, n) for g, n in counts.items() if n)
-
-
 def _check(plans: Sequence[GroupPlan], state: _State) -> None:
     """Check the plans whose context is new (NOTE [when the stream is checked]); record the decisions."""
     if not config.collective_check:
@@ -246,7 +191,7 @@ def _check(plans: Sequence[GroupPlan], state: _State) -> None:
     if state.store is not store:
         state.__init__(state.epoch, store)  # a new process group world: nothing seen in it yet
     runs, contexts = [], {}
-    base = _positions(state.issued)
+    base = positions(state.issued)
     for p in plans:
         context = (state.last.get(p.group), p.digest)
         if context in state.seen:
@@ -288,16 +233,8 @@ def write_answer(store: Any, rank: int, history: History, row: tuple[int, GroupP
     """Write the entries of ``row`` (a :class:`.responder.History` run) from position ``first`` on, for a peer's
     check: with the same call's runs on the other groups, each entry with this rank's positions on its other
     groups then (NOTE [answering a peer's check], NOTE [order across groups])."""
-    call = row[3]
-    siblings = history.call(call) or [row]
-    positions, unknown = {}, set()
-    for group in list(history.runs):
-        position = history.position_before(group, call)
-        if position is None:
-            unknown.add(group)
-        else:
-            positions[group] = position
-    base, lost = _positions(positions), frozenset(unknown)
+    siblings = history.call(row[3]) or [row]
+    base, lost = rebuilt_positions(history, row[3])
     runs = [GroupRun(p.group, p.ranks, p.records, p.digest, s, p.crossed, base, lost) for s, p, _, _ in siblings]
     merged = {p.group: bool(m) for _, p, m, _ in siblings}
     write_graph(store, runs, rank, first=(row[1].group, first), merged=merged)
@@ -337,7 +274,7 @@ def _checked_groups(compiled: Callable[..., Any], plans: tuple[GroupPlan, ...]) 
             last[p.group] = p.digest
             start = issued.get(p.group, 0)
             issued[p.group] = start + len(p.records)
-            history[p.group].append((start, p, p.bucketed and merge[p.group], call))
+            history[p.group].append((start, p, p.bucketed and merge[p.group] is True, call))
         return compiled(*args, **kwargs)
 
     return _like(run, compiled)
@@ -402,7 +339,7 @@ def _tracked(
     return _like(run, compiled)
 
 
-def track_positions(on: bool = True) -> None:
+def trackpositions(on: bool = True) -> None:
     """Record, from now on, where each checked compiled graph starts on each group (NOTE [where each rank waits]).
 
     Costs one read of each group's collective count per call of graphs compiled
@@ -478,7 +415,7 @@ def check_collectives(records: Sequence[CollectiveSignature]) -> None:
     if _state.store is not store:
         _state.__init__(_state.epoch, store)  # a new process group world: nothing checked in it yet
     runs = []
-    base = _positions(_state.direct)
+    base = positions(_state.direct)
     for p in group_plans(records, ""):
         if _compat.group_is_fake(p.group):
             continue
