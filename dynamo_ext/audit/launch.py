@@ -33,6 +33,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from . import hang
 from .merge.merger import Merger
 from .merge.rank_files import merge_dir
 from .model.kinds import RankStatus
@@ -131,6 +132,9 @@ def _reap(pids: list[int]) -> None:
 # torch.distributed is the hung one (user code that never reaches the next
 # collective); ranks inside torch.distributed wait for it.  When every rank
 # waits in torch.distributed, they wait on collectives that do not match.
+# :mod:`.hang` puts it in words and records: a rank in a compiled collective,
+# or in the collective check's wait before one, is placed at that collective
+# with the ranks it waits for (NOTE [the collective a rank waits in]).
 ASK_WHERE_S = 5.0
 
 
@@ -146,71 +150,6 @@ def _ask_where(progress: dict[int, RankProgress], poll: Callable[[], None]) -> N
     while any(p.stack is None for p in asked) and time.monotonic() < deadline:
         time.sleep(0.1)
         poll()
-
-
-def _where(p: RankProgress) -> str:
-    """Where an unfinished rank is, in words (NOTE [hung rank])."""
-    if p.stack is None:
-        return f"position unknown (last event: {p.last})"
-    frames = p.stack["stack"]
-    file, line, function, source = frames[min(int(p.stack.get("user_index", 0)), len(frames) - 1)]
-    at = f"at {file}:{line} in {function}" + (f" ({source})" if source else "")
-    entered = [c for c in p.stack.get("collectives") or () if c.get("in_graph")]
-    if p.stack.get("in_compiled_collective") and entered:
-        # NOTE [where each rank waits]: the collective's own line, not the compiled frame's
-        return "waiting in a compiled collective: " + ", ".join(
-            f"{c['collective']}, position {c['position']}, at {c['source'] or '<unknown source>'}" for c in entered
-        )
-    if p.stack.get("in_distributed"):
-        inner = next((f for f in reversed(frames) if f[0].startswith("torch/distributed/")), frames[-1])
-        return f"waiting in torch.distributed ({inner[2]}) {at}"
-    return f"hung {at}"
-
-
-def _behind(progress: dict[int, RankProgress], ranks: list[int]) -> list[str]:
-    """``rank(s) 1 behind on group '0' (last entered position 6; rank 0 at 7)`` per group (NOTE [where each rank
-    waits]), from the positions the ranks' stacks report."""
-    positions: dict[str, dict[int, int]] = {}
-    for r in ranks:
-        st = progress[r].stack
-        for c in (st or {}).get("collectives") or ():
-            positions.setdefault(str(c["group"]), {})[r] = int(c["position"])
-    out = []
-    for group, by_rank in sorted(positions.items()):
-        ahead = max(by_rank.values())
-        late = sorted(r for r, pos in by_rank.items() if pos < ahead)
-        if late:
-            first = [r for r, pos in by_rank.items() if pos == ahead]
-            out.append(
-                f"rank(s) {', '.join(map(str, late))} behind on group {group!r} (last entered position "
-                f"{', '.join(str(by_rank[r]) for r in late)}; rank(s) {', '.join(map(str, sorted(first)))} at {ahead})"
-            )
-    return out
-
-
-def _timeout_line(progress: dict[int, RankProgress], ranks: list[int], timeout: float) -> str:
-    """``timeout: rank 1 hung at ...; rank(s) 0 waiting in torch.distributed ...`` (NOTE [hung rank])."""
-    if not ranks:
-        return f"timeout: after {timeout:g} s; killed"
-
-    def waits(r: int) -> bool | None:
-        st = progress[r].stack
-        return None if st is None else bool(st.get("in_distributed"))
-
-    hung = [r for r in ranks if waits(r) is False]
-    waiting = [r for r in ranks if waits(r)]
-    parts = [f"rank {r} {_where(progress[r])}" for r in hung]
-    if hung and waiting:
-        located = [r for r in waiting if (progress[r].stack or {}).get("in_compiled_collective")]
-        parts += [f"rank {r} {_where(progress[r])}" for r in located]
-        rest = [r for r in waiting if r not in located]
-        if rest:
-            parts.append(f"rank(s) {', '.join(map(str, rest))} waiting in torch.distributed")
-    else:  # no rank outside torch.distributed: collectives that do not match, each rank where it waits
-        parts += [f"rank {r} {_where(progress[r])}" for r in waiting]
-    parts += [f"rank {r} {_where(progress[r])}" for r in ranks if waits(r) is None]
-    parts += _behind(progress, ranks)
-    return f"timeout: after {timeout:g} s: " + "; ".join(parts) + "; killed"
 
 
 def _rank_logs(log_dir: str, rank: int) -> str:
@@ -315,6 +254,7 @@ def run_ranks(
     exit_codes = {int(r): int(c) for r, c in _FAILURE.findall(launcher_text)}
     root = _FAILURE.findall(launcher_text.partition("Root Cause")[2])
     statuses: dict[int, dict[str, Any]] = {}
+    stacks = {r: p.stack for r, p in progress.items()}  # NOTE [hung rank]
     for r in range(nproc):
         p = progress[r]
         err = p.error
@@ -334,8 +274,9 @@ def run_ranks(
         elif timed_out:
             statuses[r] = {
                 "status": RankStatus.TIMEOUT,
-                "error": f"still running after {timeout:g} s, {_where(p)}",
+                "error": f"still running after {timeout:g} s, {hang.where(r, stacks, last=p.last)}",
                 "log": log,
+                "waiting": hang.rank_waits(r, stacks),
             }
         elif (terminated or code == -int(signal.SIGTERM)) and (exit_codes.keys() - {r}):
             # SIGKILL without the Terminated record is not the launcher's doing (it sends SIGTERM first): died.
@@ -359,9 +300,8 @@ def run_ranks(
     failed.sort(key=lambda r: statuses[r]["status"] != RankStatus.DIED)
     errors: list[str] = []
     if timed_out:
-        errors.append(
-            _timeout_line(progress, [r for r, s in statuses.items() if s["status"] == RankStatus.TIMEOUT], timeout)
-        )
+        still = [r for r, s in statuses.items() if s["status"] == RankStatus.TIMEOUT]
+        errors.append(hang.timeout_line(stacks, still, timeout, last={r: p.last for r, p in progress.items()}))
     if interrupted:
         errors.append("interrupted; ranks killed")
     for r in failed:

@@ -388,6 +388,7 @@ class Merger:
             host=str(st.get("host") or start.get("host") or ""),
             node_rank=st.get("node_rank", start.get("node_rank")),
             local_rank=start.get("local_rank"),
+            waiting=tuple(st.get("waiting", ())),  # RankWait records: only the launcher knows them
         )
 
 

@@ -183,6 +183,30 @@ class Recompile:
 
 
 @dataclasses.dataclass(frozen=True)
+class RankWait:
+    """A compiled collective a rank still running at the timeout waits in (NOTE [the collective a rank waits in]).
+
+    ``collective``: the op, its tensors and reduce op, the group and its ranks
+    (``forward all_reduce(float32[4], sum) on group '0' (ranks 0, 1)``); ``group``
+    and ``ranks``: the process group's name and global ranks; ``position``: the
+    collective's place in the group's stream of compiled collectives (NOTE [where
+    each rank waits]); ``source``: the user's line (``file:line: code``);
+    ``in_check``: the rank waits in the collective check's exchange before it
+    enters the collective (the check of a graph's new context), else inside the
+    collective; ``waits_for``: the group's ranks not known to have reached this
+    position (behind on the group, hung elsewhere, or gone).
+    """
+
+    collective: str
+    group: str
+    ranks: tuple[int, ...]
+    position: int
+    source: str
+    in_check: bool
+    waits_for: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
 class RankSummary:
     """What one rank did: its status and its own totals.
 
@@ -197,7 +221,8 @@ class RankSummary:
     rank at the end (``None`` when the rank never got there); ``dynamo_missed``
     the breaks of ``graph_breaks`` that counter did not count (torch 2.13 does not
     count data-dependent branches), so ``graph_breaks == dynamo_graph_breaks +
-    dynamo_missed`` when the audit and Dynamo agree.
+    dynamo_missed`` when the audit and Dynamo agree.  ``waiting``: for a rank the local audit's timeout found
+    still running, the compiled collectives it waits in (empty elsewhere).
     """
 
     rank: int
@@ -215,6 +240,7 @@ class RankSummary:
     host: str = ""
     node_rank: int | None = None
     local_rank: int | None = None
+    waiting: tuple[RankWait, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)

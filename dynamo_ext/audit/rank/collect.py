@@ -59,6 +59,7 @@ from .blocks import audit_blocks
 from .collector import Collector, JsonlSink, dynamo_counters
 from .identity import is_torch_file, normalize_path, user_frame_index
 from .target import is_function_target, rank_identity, resolve_function, root_of_target
+from .waits import compiled_waits
 
 log = logging.getLogger(__name__)
 
@@ -166,6 +167,7 @@ def stack_event(frame: Any, root: str | None) -> dict[str, Any]:
         "in_distributed": any(f.startswith("torch/distributed/") for f in files) or in_graph or in_check,
         "collectives": collectives,
         "in_compiled_collective": in_graph and not in_check,
+        "waiting": compiled_waits(files),  # NOTE [the collective a rank waits in]
     }
 
 

@@ -179,7 +179,12 @@ class Internal:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Stack:
-    """Where the main thread is (NOTE [where each rank waits] in ``collective_check/stream.py``)."""
+    """Where the main thread is (NOTE [where each rank waits] in ``collective_check/stream.py``).
+
+    ``waiting``: the compiled collectives the rank waits in, or waits to enter in the collective check's wait
+    (NOTE [the collective a rank waits in] in ``rank/waits.py``): ``group``, ``ranks``, ``position``,
+    ``collective``, ``source``, ``in_check``.
+    """
 
     KIND: ClassVar[EventKind] = EventKind.STACK
     stack: tuple[tuple[str, int, str, str], ...]
@@ -187,6 +192,7 @@ class Stack:
     in_distributed: bool = False
     collectives: tuple[dict[str, Any], ...] = ()
     in_compiled_collective: bool = False
+    waiting: tuple[dict[str, Any], ...] = ()
     time: float | None = None
 
 
