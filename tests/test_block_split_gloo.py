@@ -10,7 +10,10 @@ split by default in ``test_fsdp_training_gloo.py``.  The torchtitan-style Llama 
 ``examples/titan_llama_audit.py`` (sequence parallel, loss parallel, full activation checkpointing, the
 ``[norm, output]`` FSDP2 module group, AdamW) runs its own numerics check split, with the eager backward and
 under compiled autograd: ``dynamo-ext audit`` compiles every block (NOTE [the audit compiles each block]), so
-its audit test covers the cuts but not a block running another block's compile.
+its audit test covers the cuts but not a block running another block's compile.  A model that computes a
+rotary-style table under ``torch.no_grad()`` with autocast off before its blocks (as transformers' Llama does)
+and reads a module-level float that changes each step is cut too (NOTE [grad mode and autocast across cuts],
+NOTE [dynamic floats in the block split]).
 """
 
 from __future__ import annotations
@@ -89,6 +92,74 @@ def _run(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+GAIN = 1.0  # read by every RopeBlock; changed each step
+
+
+class RopeBlock(torch.nn.Module):
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.up = torch.nn.Linear(hidden, 6)
+        self.down = torch.nn.Linear(6, hidden)
+
+    def forward(self, h: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        return h + self.down(torch.relu(self.up(h))) * rope * GAIN
+
+
+class RopeNet(torch.nn.Module):
+    """FSDP2's root gathers ``inp`` and ``out`` before the blocks, ``out`` is read only after them (moved to its
+    reader, NOTE [values that would cross a cut]), and the rotary-style table is made under ``torch.no_grad()``
+    with autocast off in between."""
+
+    def __init__(self, hidden: int = 10) -> None:
+        super().__init__()
+        self.inp = torch.nn.Linear(hidden, hidden, bias=False)
+        self.register_buffer("freq", torch.linspace(0.1, 1.0, hidden))
+        self.blocks = torch.nn.ModuleList(RopeBlock(hidden) for _ in range(4))
+        self.out = torch.nn.Linear(hidden, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        with torch.no_grad(), torch.autocast("cpu", enabled=False):
+            rope = torch.cos(self.freq * 2.0)
+        for block in self.blocks:
+            h = block(h, rope)
+        return self.out(h)
+
+
+def _rope(rank: int, world: int) -> dict[str, Any]:
+    """3 SGD steps, ``GAIN`` 1.0, 1.5, 2.0: eager FSDP2 against the compiled step (``aot_eager``)."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    def sharded() -> RopeNet:
+        torch.manual_seed(0)
+        net = RopeNet()
+        mesh = init_device_mesh("cpu", (world,))
+        for block in net.blocks:
+            fully_shard(block, mesh=mesh)
+        return fully_shard(net, mesh=mesh)
+
+    def stepping(model: Any) -> Any:
+        calls = iter([1.0, 1.5, 2.0])
+
+        def step(x: torch.Tensor) -> torch.Tensor:
+            global GAIN
+            GAIN = next(calls)
+            return model(x)
+
+        return step
+
+    net = sharded()
+    eager = train(net, stepping(net), rank)
+    torch._dynamo.reset()
+    net = sharded()
+    counter = CompileCounterWithBackend("aot_eager")
+    with split_logs() as records:
+        compiled = train(net, stepping(torch.compile(net, backend=counter, fullgraph=True)), rank)
+    return {**diff(eager, compiled), "graphs": counter.frame_count, "split": records}
+
+
 TITAN = Path(__file__).resolve().parent.parent / "examples" / "titan_llama_audit.py"
 
 
@@ -110,6 +181,7 @@ def _titan(rank: int, world: int, compiled_autograd: bool) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def ranks():
     parts = {name: functools.partial(_run, cfg=cfg) for name, cfg in CONFIGS.items()}
+    parts["rope"] = _rope
     for backward in ("eager_backward", "compiled_autograd"):
         parts[f"titan_{backward}"] = functools.partial(_titan, compiled_autograd=backward == "compiled_autograd")
     return run_parts_on_ranks(parts, nproc=4)
@@ -159,3 +231,16 @@ def test_torchtitan_style_llama_split_matches_eager(ranks, backward):
             "blocks compiled once: compiled-autograd backward, 4 submodules, 3 compiled, 1 running an identical "
             "block's compile",
         ], where
+
+
+def test_a_no_grad_region_and_a_changing_float_split_match_eager_fsdp2(ranks):
+    for rank, r in enumerate(ranks["rope"]):
+        where = f"rank {rank}: {r}"
+        assert r["grad_kinds_match"] and all(kind == "DTensor" for kind, _ in r["grad_kinds"]), where
+        assert r["loss"] <= TOL and r["grads"] <= TOL and r["params"] <= TOL, where
+        # GAIN's first value compiled as a constant, then dynamic: one recompile, as stock (a pinned float: 3)
+        assert r["graphs"] == 2, where
+        # both graphs cut: the part before the blocks, 4 blocks (the last 3 running the first one's compile), after
+        assert (
+            r["split"] == ["blocks compiled once: 6 submodules, 3 compiled, 3 running an identical block's compile"] * 2
+        ), where

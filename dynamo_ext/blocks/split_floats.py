@@ -95,8 +95,10 @@ def floats_cross_cuts(gm: torch.fx.GraphModule, partition: dict[torch.fx.Node, i
 
 def floats_into_readers(gm: torch.fx.GraphModule, partition: dict[torch.fx.Node, int]) -> int:
     """Make each SymFloat a later submodule reads again in that submodule (NOTE [dynamic floats in the block
-    split]): its nodes copied, before the submodule's first node, reading the graph's inputs; ``gm`` (a copy of
-    Dynamo's graph) and ``partition`` are changed in place.  Returns how many nodes were copied."""
+    split]): its nodes copied, before the submodule's first node, reading the graph's inputs, and the nodes that
+    made it moved before the first node of their own submodule, so that the block that first read it has the
+    same nodes as the blocks after it; ``gm`` (a copy of Dynamo's graph) and ``partition`` are changed in place.
+    Returns how many nodes were copied."""
     first: dict[int, torch.fx.Node] = {}
     for n in gm.graph.nodes:
         if n.op not in ("placeholder", "get_attr", "output"):
@@ -115,9 +117,22 @@ def floats_into_readers(gm: torch.fx.GraphModule, partition: dict[torch.fx.Node,
             copies[(n, part)] = new
         return copies[(n, part)]
 
+    moved: set[torch.fx.Node] = set()
+
+    def to_front(n: torch.fx.Node) -> None:  # the first block makes its float where the others make their copy
+        if n.op == "placeholder" or n in moved or partition[n] != part:
+            return
+        for a in n.all_input_nodes:
+            to_front(a)
+        if n is not first[part]:
+            first[part].prepend(n)
+        moved.add(n)
+
     for n in _crossing(gm, partition):
         for user in [u for u in n.users if u.op != "output" and partition[u] != partition[n]]:
             user.replace_input_with(n, copy_into(n, partition[user]))
+        part = partition[n]
+        to_front(n)
     originals = {n for n, _ in copies}
     for n in reversed(list(gm.graph.nodes)):  # what only later submodules read, no longer made where it was
         if n in originals and not n.users:
