@@ -339,7 +339,7 @@ def _tracked(
     return _like(run, compiled)
 
 
-def trackpositions(on: bool = True) -> None:
+def track_positions(on: bool = True) -> None:
     """Record, from now on, where each checked compiled graph starts on each group (NOTE [where each rank waits]).
 
     Costs one read of each group's collective count per call of graphs compiled
