@@ -28,13 +28,20 @@ aten, c10d = torch.ops.aten, torch.ops._c10d_functional
 SIMPLE_OVERLAP = [None] if _compat.simple_overlap_enabled() is None else [True, False]
 
 
+def simple_overlap_patch(enabled: bool) -> dict[str, bool]:
+    """An Inductor config patch turning ``simple_overlap`` on or off; ``{}`` where this release has no such pass."""
+    if _compat.simple_overlap_enabled() is None:
+        return {}
+    return {"aten_distributed_optimizations.enable_simple_overlap": enabled}
+
+
 def _scheduling_passes() -> dict[str, dict[str, Any]]:
     """Inductor config patches: each scheduling pass that may reorder communication, where this release has it.
 
     Overlap scheduling (``aten_distributed_optimizations.enable_overlap_scheduling``) is left out: on 2.13 it
     estimates costs on a GPU even with the analytical estimator, so it does not compile on this CPU."""
-    off = _compat.simple_overlap_patch(False)
-    out = {"simple_overlap on": _compat.simple_overlap_patch(True)} if SIMPLE_OVERLAP != [None] else {}
+    off = simple_overlap_patch(False)
+    out = {"simple_overlap on": simple_overlap_patch(True)} if SIMPLE_OVERLAP != [None] else {}
     out["default passes" + (", simple_overlap off" if off else "")] = off
     out["reorder_for_compute_comm_overlap"] = {"reorder_for_compute_comm_overlap": True, **off}
     return out

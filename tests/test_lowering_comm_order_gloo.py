@@ -17,6 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from helpers import run_parts_on_ranks
+from test_lowering_comm_order import simple_overlap_patch
 
 pytestmark = pytest.mark.gloo  # one 2-process launch for the file
 
@@ -34,7 +35,7 @@ def _compile_and_run(fn, args: tuple[Any, ...], simple_overlap: bool | None) -> 
 
     patch = {"fx_graph_cache": False}  # rank 1 would hit rank 0's entry (one cache directory): another graph
     if simple_overlap is not None:
-        patch.update(_compat.simple_overlap_patch(simple_overlap))
+        patch.update(simple_overlap_patch(simple_overlap))
     torch._dynamo.reset()
     with _compat.inductor_config().patch(patch):
         return torch.compile(fn, backend="inductor")(*args)
@@ -181,7 +182,7 @@ def _pipeline(rank: int, world_size: int) -> dict[str, Any]:
         eager = train(functools.partial(pipeline_step, group=group))
         from dynamo_ext import _compat
 
-        patch = {"fx_graph_cache": False, **({} if setting is None else _compat.simple_overlap_patch(setting))}
+        patch = {"fx_graph_cache": False, **({} if setting is None else simple_overlap_patch(setting))}
         torch._dynamo.reset()
         compiled_step = torch.compile(pipeline_step, backend="inductor")
         try:

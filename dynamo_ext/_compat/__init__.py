@@ -196,7 +196,6 @@ from .inductor import (
     ops_handler,
     preserve_node_ordering,
     simple_overlap_enabled,
-    simple_overlap_patch,
 )
 from .probes import optional_attr
 from .structured_logs import (
@@ -425,7 +424,6 @@ __all__ = [
     "serializable_compiler",
     "shape_env_facts",
     "simple_overlap_enabled",
-    "simple_overlap_patch",
     "skip_frames_of",
     "source_kind",
     "source_name",

@@ -132,9 +132,6 @@ def estimate_collective_ms(node: Any, *, intra_bw: float | None = None, inter_bw
         return None
 
 
-_SIMPLE_OVERLAP = "aten_distributed_optimizations.enable_simple_overlap"
-
-
 def simple_overlap_enabled() -> bool | None:
     """Whether Inductor's ``simple_overlap`` scheduler pass is on; ``None`` where this Inductor has no such switch.
 
@@ -147,12 +144,7 @@ def simple_overlap_enabled() -> bool | None:
     return None if value is None else bool(value)
 
 
-def simple_overlap_patch(enabled: bool) -> dict[str, bool]:
-    """A ``torch._inductor.config.patch`` dict turning ``simple_overlap`` on or off; ``{}`` where it does not exist."""
-    return {} if simple_overlap_enabled() is None else {_SIMPLE_OVERLAP: enabled}
-
-
-def preserve_node_ordering() -> Callable[..., None] | None:
+def preserve_node_ordering() -> Callable[..., Any] | None:
     """``torch._inductor.fx_passes.control_dependencies.preserve_node_ordering``, or ``None`` where it is missing.
 
     ``preserve_node_ordering(graph, {node: deps})`` wraps each ``node`` in the ``control_deps`` higher-order op

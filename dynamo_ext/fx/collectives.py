@@ -61,6 +61,7 @@ __all__ = [
     "WAITS",
     "FxCollective",
     "collective_names",
+    "communication_between",
     "is_barrier",
     "is_collective",
     "is_communication",
@@ -182,6 +183,19 @@ def is_communication(node: torch.fx.Node) -> bool:
         return False
     owner = node.graph.owning_module
     return owner is not None and any(is_communication(n) for sub in _subgraphs(owner, node) for n in sub.graph.nodes)
+
+
+def communication_between(
+    first: torch.fx.Node, last: torch.fx.Node, *, skip: torch.fx.Node | None = None
+) -> str | None:
+    """The name of the first communication op strictly between ``first`` and ``last`` in graph order (other than
+    ``skip``), or None: what moving ``first`` to ``last`` would move it across (NOTE [communication ops])."""
+    node = first.next
+    while node is not last and node.op != "output":
+        if node is not skip and is_communication(node):
+            return node.name
+        node = node.next
+    return None
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

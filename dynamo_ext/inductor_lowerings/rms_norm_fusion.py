@@ -26,11 +26,9 @@ On CUDA, when the group has symmetric memory, the all-reduce itself is folded in
 each output, lowered to a ``_CollectiveKernel`` whose input is realized as a
 symmetric-memory comm buffer (NOTE [lowering-time collective optimization] in
 torch/_inductor/comm_lowering.py), so the producer writes straight into it and
-Inductor's comm reordering still sees a collective.  The fused op issues the
-all-reduce where the add was; where a communication op lies between the two
-(a ``send``, another collective: NOTE [communication ops]), the kernel is
-refused and the epilogue fusion keeps the collective in its place
-(NOTE [buckets keep the communication order] in bucketing.py says why).
+Inductor's comm reordering still sees a collective.  It issues the all-reduce where
+the add was, so it is refused where communication lies between them (NOTE [buckets
+keep the communication order] in bucketing.py).
 """
 
 from __future__ import annotations
@@ -330,6 +328,7 @@ def one_shot_refusal(match: ResidualRMSNormMatch) -> str | None:
     memory route] in _compat/symm_mem.py), so every rank decides alike.
     """
     val = example_value(match.all_reduce.args[0])
+    between = fx_collectives.communication_between(match.all_reduce, match.add, skip=match.wait)
     checks = (
         (lambda: options.one_shot, ONE_SHOT_OFF),
         (lambda: isinstance(val, torch.Tensor), "the all-reduce input has no example value"),
@@ -358,24 +357,13 @@ def one_shot_refusal(match: ResidualRMSNormMatch) -> str | None:
         (lambda: _compat.symm_mem_route() != "none", "this torch build has no symmetric memory"),
         (lambda: _one_shot_dtypes_supported(match), "the chain's casts are not supported by the kernel"),
         (
-            lambda: _communication_between(match) is None,
-            f"{_communication_between(match)} communicates between the all-reduce and the residual add "
-            "(the fused kernel would move the all-reduce across it)",
+            lambda: between is None,
+            f"{between} communicates between the all-reduce and the add (the kernel would move it)",
         ),
     )
     for ok, reason in checks:
         if not ok():
             return reason
-    return None
-
-
-def _communication_between(match: ResidualRMSNormMatch) -> str | None:
-    """The name of the first communication op between the all-reduce and the add (NOTE [communication ops]), or None."""
-    node = match.all_reduce.next
-    while node is not match.add and node.op != "output":
-        if node is not match.wait and fx_collectives.is_communication(node):
-            return node.name
-        node = node.next
     return None
 
 
