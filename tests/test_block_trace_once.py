@@ -347,3 +347,30 @@ def test_uninstall_restores_what_stamping_patches():
     finally:
         dynamo_ext.uninstall()
     assert entries() == before
+
+
+def test_a_frames_recordings_go_with_its_graph(monkeypatch):
+    """The recordings of a frame's blocks do not keep its graph alive (NOTE [recordings live on the graph])."""
+    import gc
+    import weakref
+
+    graphs: list[weakref.ref[torch.fx.Graph]] = []
+    frame_recordings = trace_once._frame_recordings
+
+    def spy(graph: torch.fx.Graph) -> Any:
+        if not any(r() is graph for r in graphs):
+            graphs.append(weakref.ref(graph))
+        return frame_recordings(graph)
+
+    monkeypatch.setattr(trace_once, "_frame_recordings", spy)
+    model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(3)])
+    dynamo_ext.install()
+    try:
+        with dynamo_ext.config.patch(trace_blocks_once=True, compile_blocks_once=False):
+            torch.compile(model, backend="eager", fullgraph=True)(torch.randn(2, 8))
+    finally:
+        dynamo_ext.uninstall()
+    assert graphs, "no block call went through the stamping path"
+    torch._dynamo.reset()
+    gc.collect()
+    assert [r() for r in graphs] == [None]

@@ -48,7 +48,7 @@ Switch: ``dynamo_ext.config.trace_blocks_once`` (``DYNAMO_EXT_TRACE_BLOCKS_ONCE=
 
 from __future__ import annotations
 
-import weakref
+import dataclasses
 from typing import Any
 
 import torch
@@ -61,11 +61,29 @@ from .trace_record import Recording, call_key, log, record, site
 from .trace_stamp import stamp
 
 _RECORDING_TRIES = 3
-_refusals: weakref.WeakKeyDictionary[torch.fx.Graph, dict[tuple[Any, ...], int]] = weakref.WeakKeyDictionary()
-# Per frame trace: keyed by the root graph Dynamo is building.  A key's value is None once refused.
-_recordings: weakref.WeakKeyDictionary[torch.fx.Graph, dict[tuple[Any, ...], Recording | None]] = (
-    weakref.WeakKeyDictionary()
-)
+_FRAME_ATTR = "_dynamo_ext_block_recordings"
+
+
+@dataclasses.dataclass
+class _FrameRecordings:
+    """One frame trace's recordings (a key's value is None once refused) and how often each key was refused.
+
+    NOTE [recordings live on the graph]: a recording holds nodes of the root graph Dynamo is building, and a node
+    holds its graph, so a table keyed weakly by the graph would keep every graph alive through its own values.
+    The table is an attribute of that graph instead and goes with it.
+    """
+
+    recordings: dict[tuple[Any, ...], Recording | None] = dataclasses.field(default_factory=dict)
+    refusals: dict[tuple[Any, ...], int] = dataclasses.field(default_factory=dict)
+
+
+def _frame_recordings(graph: torch.fx.Graph) -> _FrameRecordings:
+    """The recordings of the frame whose root graph is ``graph`` (NOTE [recordings live on the graph])."""
+    state = graph.__dict__.get(_FRAME_ATTR)
+    if state is None:
+        state = _FrameRecordings()
+        setattr(graph, _FRAME_ATTR, state)
+    return state
 
 
 def _container_item(tx: Any, module_vt: Any) -> Any:
@@ -107,8 +125,8 @@ def call(tx: Any, module_vt: Any, args: list[Any], kwargs: dict[str, Any], trace
     except StampError as why:
         log.debug("%s traced: %s", _compat.source_name(source), why)
         return trace()
-    output = tx.output
-    recordings = _recordings.setdefault(output.root_tracer.graph, {})
+    frame = _frame_recordings(tx.output.root_tracer.graph)
+    recordings = frame.recordings
     recording = recordings.get(key)
     if recording is not None:
         try:
@@ -116,7 +134,7 @@ def call(tx: Any, module_vt: Any, args: list[Any], kwargs: dict[str, Any], trace
         except StampError as why:
             log.debug("%s traced, the recording of %s not used: %s", _compat.source_name(source), recording.path, why)
             return trace()
-    refused = _refusals.setdefault(output.root_tracer.graph, {})
+    refused = frame.refusals
     if key in recordings:
         # Refused for something of that block's own (a pending mutation): the next one may record.  A few tries,
         # then every such call is traced without the cost of recording.
