@@ -8,6 +8,7 @@ import sys
 import torch
 import torch._dynamo.guards
 import torch._dynamo.output_graph as output_graph
+import torch._dynamo.package
 import torch._dynamo.variables.builder as builder
 from helpers import CountingBackend, normalize_gm
 
@@ -32,6 +33,7 @@ def _snapshot() -> dict[str, dict[str, object]]:
         "SubgraphTracer": vars(output_graph.SubgraphTracer),
         "OutputGraph": vars(output_graph.OutputGraph),
         "CheckFunctionManager": vars(torch._dynamo.guards.CheckFunctionManager),
+        "CompilePackage": vars(torch._dynamo.package.CompilePackage),
         "AutogradCompilerInstance": vars(compiled_autograd.AutogradCompilerInstance),
         "proxy_tensor": vars(proxy_tensor),
         "torch._dynamo.guards": vars(torch._dynamo.guards),

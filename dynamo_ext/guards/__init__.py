@@ -16,16 +16,17 @@ __all__ = ["DEVICE_MESH", "DTENSOR_SPEC", "PLACEMENT", "PROCESS_GROUP", "GuardSp
 
 
 def install(patches: Patcher) -> None:
-    """Recompile reasons in words, aliasing guards in C++, every guard kept under Dynamo's precompile cache, and
-    stock's DTensor spec guard replaced by ours."""
+    """Recompile reasons in words, aliasing guards in C++, every guard kept under Dynamo's precompile cache (and
+    no frame loaded from it), and stock's DTensor spec guard replaced by ours."""
     from .. import _compat
-    from . import aliasing, precompile_cache
+    from . import aliasing, precompile_cache, precompile_load
     from .reasons import hook_fail_reasons
     from .spec import _guard_fn
 
     hook_fail_reasons(patches)
     aliasing.install(patches)  # NOTE [object-aliasing guards in C++]
     precompile_cache.install(patches)  # NOTE [frames kept out of the precompile cache]
+    precompile_load.install(patches)  # NOTE [precompile packages written without the plugin]
     dtensor_guard = _guard_fn(DTENSOR_SPEC)
 
     def DTENSOR_SPEC_MATCH(self: Any, guard: Any) -> None:  # noqa: N802  (Dynamo's name)

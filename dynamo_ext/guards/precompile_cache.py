@@ -30,7 +30,9 @@ So while the plugin is installed, each frame Dynamo compiles:
   ``CheckFunctionManager`` is built, and its guards are not serialized.
 
 A restarted job traces its frames again; AOTAutograd's and Inductor's caches
-still serve their compiles (docs/compile_time.md).
+still serve their compiles (docs/compile_time.md).  Frames a package written
+without the plugin brings in are not loaded either (NOTE [precompile packages
+written without the plugin] in ``precompile_load.py``).
 """
 
 from __future__ import annotations
