@@ -263,3 +263,15 @@ def test_ring_compiles_with_its_communication_in_program_order(rank):
     order = [op for op in _issue_order("\n".join(code)) if op != "wait_tensor"]
     p2p = ["isend", "irecv"] if rank == 0 else ["irecv", "isend"]
     assert order == [*p2p, "bucketed_collective"]
+
+
+@pytest.mark.parametrize("kind", ["isend", "irecv"])
+def test_a_point_to_point_op_between_collectives_changes_the_data_flow(kind):
+    """Ranks with a send or receive between two all-reduces plan two buckets where ranks without one plan one, so
+    their data flows differ and the collective check merges on none of them (NOTE [buckets only where ranks
+    agree]); a send on one rank where another receives keeps the flows equal."""
+    from dynamo_ext.collective_check import data_flow
+
+    plain, p2p = data_flow(fake_graph(_between(""))), data_flow(fake_graph(_between(kind)))
+    assert plain != p2p
+    assert data_flow(fake_graph(_between("isend"))) == data_flow(fake_graph(_between("irecv")))

@@ -219,8 +219,13 @@ def data_flow(gm: torch.fx.GraphModule) -> str:
     agree]): for each collective, which earlier collectives' results reach its
     input and whether its result is used; for each node with side effects (and
     each higher-order op) that reads a collective's result, which results reach
-    it, in graph order.  Compute that does not feed a collective or a node with
-    side effects is left out.
+    it; and where each other communication op sits (``p``: a point-to-point op,
+    whatever its peer or direction; one of the plugin's communication ops or a
+    higher-order op holding communication, with what reaches it), in graph order.  A bucket closes at any communication op (NOTE [buckets keep
+    the communication order] in ``inductor_lowerings/bucketing.py``), so ranks
+    whose point-to-point ops sit elsewhere among their collectives would plan
+    other buckets: their flows differ and none of them merges.  Compute that does
+    not feed a collective or a node with side effects is left out.
     """
     reach: dict[torch.fx.Node, int] = {}
     out: list[str] = []
@@ -234,6 +239,9 @@ def data_flow(gm: torch.fx.GraphModule) -> str:
             out.append(f"c{mask:x}{'u' if used else ''}")
             mask |= 1 << index
             index += 1
+        elif fx_collectives.is_communication(node):
+            # a point-to-point op's input differs by direction (a send's payload, a receive's buffer)
+            out.append("p" if fx_collectives.is_point_to_point(node) else f"p{mask:x}")
         elif mask and node.op == "call_function" and (node.is_impure() or _compat.is_higher_order_op(node.target)):
             out.append(f"i{mask:x}")
         reach[node] = mask
