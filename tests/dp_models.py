@@ -92,6 +92,62 @@ def loss_fn(kind: str, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return F.mse_loss(out, y) if kind == "mlp" else F.cross_entropy(out, y)
 
 
+CLASSES = 5
+IGNORED = 2
+"""The class the ``ignore_index`` losses ignore; :func:`classification_data` gives it to every other sample."""
+_WEIGHTS = (1.0, 2.0, 0.5, 1.5, 3.0)
+
+CLASSIFICATION_LOSSES = (
+    "cross_entropy",
+    "cross_entropy_sum",
+    "cross_entropy_ignore_index",
+    "cross_entropy_label_smoothing",
+    "cross_entropy_class_weights",
+    "cross_entropy_weights_ignore_smoothing",
+    "cross_entropy_weights_ignore_smoothing_sum",
+    "cross_entropy_per_position",
+    "nll_loss",
+    "nll_loss_weights_ignore_index",
+    "mse_one_hot",
+)
+"""The losses of :func:`classification_loss`: the common classification losses and their options."""
+
+
+def classification_loss(name: str, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """The loss ``name`` (one of :data:`CLASSIFICATION_LOSSES`) of logits ``out`` against labels ``y``."""
+    w = torch.tensor(_WEIGHTS)
+    if name == "cross_entropy":
+        return F.cross_entropy(out, y)
+    if name == "cross_entropy_sum":
+        return F.cross_entropy(out, y, reduction="sum")
+    if name == "cross_entropy_ignore_index":
+        return F.cross_entropy(out, y, ignore_index=IGNORED)
+    if name == "cross_entropy_label_smoothing":
+        return F.cross_entropy(out, y, label_smoothing=0.1)
+    if name == "cross_entropy_class_weights":
+        return F.cross_entropy(out, y, weight=w)
+    if name.startswith("cross_entropy_weights_ignore_smoothing"):
+        reduction = "sum" if name.endswith("_sum") else "mean"
+        return F.cross_entropy(out, y, weight=w, ignore_index=IGNORED, label_smoothing=0.2, reduction=reduction)
+    if name == "cross_entropy_per_position":  # (N, C, 2) logits against (N, 2) labels: nll_loss2d
+        return F.cross_entropy(torch.stack([out, out.flip(1)], dim=2), torch.stack([y, (y + 1) % CLASSES], dim=1))
+    if name == "nll_loss":
+        return F.nll_loss(F.log_softmax(out, dim=1), y)
+    if name == "nll_loss_weights_ignore_index":
+        return F.nll_loss(F.log_softmax(out, dim=1), y, weight=w, ignore_index=IGNORED)
+    if name == "mse_one_hot":
+        return F.mse_loss(out, F.one_hot(y, CLASSES).float())
+    raise ValueError(f"unknown loss {name!r}; choose one of {', '.join(CLASSIFICATION_LOSSES)}")
+
+
+def classification_data(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A global batch of n samples of 16 features and labels in ``range(CLASSES)``, every even one ``IGNORED``."""
+    g = torch.Generator().manual_seed(seed)
+    x, y = torch.randn(n, 16, generator=g), torch.randint(0, CLASSES, (n,), generator=g)
+    y[::2] = IGNORED
+    return x, y
+
+
 def local_part(t: torch.Tensor, rank: int, world: int) -> torch.Tensor:
     """Rank ``rank``'s contiguous share of dim 0 (even split)."""
     n = t.shape[0] // world

@@ -128,3 +128,70 @@ def test_step_analysis_records_where_gradients_are_read_whole_and_local_batch_re
     assert result.layouts["mul"] == Partial("sum") and result.layouts["sub_"] == Replicate()
     with pytest.raises(ValueError, match="the batch dim of node 'nll_loss_backward'"):
         analyze_batch_dims(gm, args, [0, 0, None], dp)  # without reductions allowed: refused, named
+
+
+def _classifier_step(loss_fn):
+    """A step of a linear classifier: loss, its gradient, an SGD update (reads the gradient whole)."""
+
+    def step(x, y, w):
+        loss = loss_fn(x @ w, y)
+        (g,) = torch.autograd.grad(loss, [w])
+        return loss.detach(), w.detach().clone().sub_(0.1 * g)
+
+    return step
+
+
+def _classifier_args():
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(8, 6, generator=g), torch.randint(0, 3, (8,), generator=g)
+    return [x, y, torch.randn(6, 3, generator=g, requires_grad=True)]
+
+
+@pytest.mark.parametrize(
+    "loss_fn",
+    [
+        F.cross_entropy,
+        lambda out, y: F.nll_loss(F.log_softmax(out, 1), y, weight=torch.tensor([1.0, 2.0, 0.5]), ignore_index=1),
+    ],
+)
+def test_a_mean_nll_loss_is_each_ranks_local_mean(dp, loss_fn):
+    # NOTE [local rules]: DDP's loss is each rank's weighted mean over its own samples (2.15's DTensor rule
+    # gathers the batch for it); the total weight its backward divides by is each rank's own too.
+    args = _classifier_args()
+    gm = make_fx(_classifier_step(loss_fn))(*args)
+    result = analyze_step(gm, args, [0, 0, None], dp)
+    assert result.layouts["nll_loss_forward"] == (Partial("avg"), Partial("sum"))
+    assert result.layouts["output"][0] == Partial("avg")
+    assert list(result.local_reads) == ["nll_loss_backward"]
+    assert list(result.reduce_before) == ["sub_"]  # only the update reads a reduction whole
+    logits = [torch.randn(8, 3), args[1]]
+    forward = make_fx(lambda out, y: loss_fn(out, y))(*logits)  # no backward: no local read, so strict mode too
+    assert analyze_batch_dims(forward, logits, [0, 0], dp)["output"] == Partial("avg")
+
+
+def test_label_smoothing_divides_by_each_ranks_own_count(dp):
+    # cross_entropy's smoothing term is a sum over the samples divided by the count of those not ignored,
+    # forward and backward: each rank's own count, as under DDP (a local read), not the full-batch one.
+    args = _classifier_args()
+    gm = make_fx(_classifier_step(lambda out, y: F.cross_entropy(out, y, ignore_index=0, label_smoothing=0.1)))(*args)
+    result = analyze_step(gm, args, [0, 0, None], dp)
+    divs = [n.name for n in gm.graph.nodes if n.target is torch.ops.aten.div.Tensor and n.name in result.local_reads]
+    assert len(divs) == 2, result.local_reads
+    assert all(result.layouts[d] == Partial("avg") for d in divs)
+    assert result.layouts["output"][0] == Partial("avg")
+    assert list(result.reduce_before) == ["sub_"]
+    with pytest.raises(ValueError, match=r"the batch dim of node 'div' .*needs communication"):
+        analyze_batch_dims(gm, args, [0, 0, None], dp)  # a local read: refused without reductions allowed
+
+
+def test_one_hot_label_check_is_each_ranks_own(dp):
+    # F.one_hot checks its labels with aten.all and _assert_async: each rank checks its own (2.15's DTensor
+    # gathers the batch for all, 2.13's has no rule for _assert_async).
+    args = _classifier_args()
+    step = _classifier_step(lambda out, y: F.mse_loss(out, F.one_hot(y, 3).float()))
+    gm = make_fx(step, tracing_mode="symbolic")(*args)  # symbolic, as data_parallel traces: the checks are asserts
+    result = analyze_step(gm, args, [0, 0, None], dp)
+    assert [result.layouts[n] for n in ("all_1", "all_2")] == [Partial("min")] * 2
+    assert result.layouts["output"][0] == Partial("avg")
+    assert list(result.reduce_before) == ["sub_"]
+    assert result.local_reads == {"_assert_async": ["all_1"], "_assert_async_1": ["all_2"]}  # no all-reduce

@@ -18,7 +18,10 @@ node's output placement is its layout:
 A node that DTensor can only compute by communicating (an all-gather of the
 batch, for instance a ``cumsum`` along it or indexing one sample) has no
 data-parallel layout: :func:`analyze_batch_dims` raises a ``ValueError``
-naming the node.
+naming the node.  A few ops are computed on each rank's own samples instead,
+as under DDP, where DTensor's rule would communicate (a mean
+``nll_loss_forward``, ``F.one_hot``'s label check: NOTE [local rules] in
+:mod:`.local_rules`).
 """
 
 from __future__ import annotations
@@ -30,10 +33,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.fx
+import torch.utils._pytree as pytree
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.experimental import implicit_replication
 
 from .. import _compat
+from .local_rules import LocalRule, local_rule
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -92,11 +97,31 @@ class _LayoutInterpreter(torch.fx.Interpreter):
         )
 
     def run_node(self, n: torch.fx.Node) -> Any:
+        rule = local_rule(n, self.layouts)
+        if rule is not None and (self.allow_reductions or not rule.local_reads):
+            out = self._run_locally(n, rule)
+            self.layouts[n.name] = _layout(out, self.mesh)
+            if rule.local_reads:
+                self.local_reads[n.name] = rule.local_reads
+            return out
         out, collectives, error = self._try(n)
         if error is not None or collectives:
             out = self._with_reduced_inputs(n, collectives, error)
         self.layouts[n.name] = _layout(out, self.mesh)
         return out
+
+    def _run_locally(self, n: torch.fx.Node, rule: LocalRule) -> Any:
+        """NOTE [local rules]: ``n`` on each rank's local tensors, its result laid out as ``rule`` says."""
+        args, kwargs = self.fetch_args_kwargs_from_env(n)
+        local_args, local_kwargs = pytree.tree_map_only(DTensor, lambda t: t.to_local(), (args, kwargs))
+        assert callable(n.target), n.format_node()  # a call_function node's target
+        out = n.target(*local_args, **local_kwargs)
+        if rule.outputs is None:
+            return out
+        placements = rule.outputs if isinstance(rule.outputs, tuple) else (rule.outputs,)
+        outs = out if isinstance(out, tuple | list) else (out,)
+        wrapped = [DTensor.from_local(t, self.mesh, [p], run_check=False) for t, p in zip(outs, placements)]
+        return tuple(wrapped) if isinstance(out, tuple | list) else wrapped[0]
 
     def _with_reduced_inputs(self, n: torch.fx.Node, collectives: list[str], error: RuntimeError | None) -> Any:
         """NOTE [reduction edges]: retry ``n`` with its Partial inputs all-reduced; record them if that suffices."""
