@@ -109,6 +109,7 @@ CLASSIFICATION_LOSSES = (
     "nll_loss",
     "nll_loss_weights_ignore_index",
     "mse_one_hot",
+    "bce_with_logits_pos_weight",
 )
 """The losses of :func:`classification_loss`: the common classification losses and their options."""
 
@@ -137,6 +138,8 @@ def classification_loss(name: str, out: torch.Tensor, y: torch.Tensor) -> torch.
         return F.nll_loss(F.log_softmax(out, dim=1), y, weight=w, ignore_index=IGNORED)
     if name == "mse_one_hot":
         return F.mse_loss(out, F.one_hot(y, CLASSES).float())
+    if name == "bce_with_logits_pos_weight":  # multi-label: one_hot targets, a positive weight per class
+        return F.binary_cross_entropy_with_logits(out, F.one_hot(y, CLASSES).float(), pos_weight=w)
     raise ValueError(f"unknown loss {name!r}; choose one of {', '.join(CLASSIFICATION_LOSSES)}")
 
 

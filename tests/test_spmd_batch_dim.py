@@ -195,3 +195,20 @@ def test_one_hot_label_check_is_each_ranks_own(dp):
     assert result.layouts["output"][0] == Partial("avg")
     assert list(result.reduce_before) == ["sub_"]
     assert result.local_reads == {"_assert_async": ["all_1"], "_assert_async_1": ["all_2"]}  # no all-reduce
+
+
+@pytest.mark.parametrize(
+    ("reduction", "layout"), [("mean", Partial("avg")), ("sum", Partial("sum")), ("none", Shard(0))]
+)
+def test_binary_cross_entropy_with_logits_is_each_ranks_own(dp, reduction, layout):
+    # DTensor has no rule for it (2.13, 2.15); each rank's loss is the one of its own samples, as under DDP.
+    def loss_fn(out, y):
+        target = F.one_hot(y, 3).float()
+        return F.binary_cross_entropy_with_logits(out, target, pos_weight=torch.ones(3), reduction=reduction)
+
+    args = _classifier_args()
+    step = _classifier_step(lambda out, y: loss_fn(out, y).sum() if reduction == "none" else loss_fn(out, y))
+    gm = make_fx(step, tracing_mode="symbolic")(*args)
+    result = analyze_step(gm, args, [0, 0, None], dp)
+    assert result.layouts["binary_cross_entropy_with_logits"] == layout
+    assert list(result.reduce_before) == ["sub_"]

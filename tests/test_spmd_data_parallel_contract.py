@@ -89,12 +89,27 @@ def test_loss_nonlinear_in_a_batch_reduction_is_refused(dp, loss_of, node):
         lambda model, out, y: F.mse_loss(out, y) + 0.01 * sum(p.pow(2).sum() for p in model.parameters()),
         lambda model, out, y: F.mse_loss(out, y) * 2 - 1,
         lambda model, out, y: (out - y).pow(2).sum() / out.shape[0],
+        # NOTE [local rules]: a sum over the batch divided by a count over it is each rank's own mean, as DDP's
+        lambda model, out, y: ((out - y).pow(2).sum(1) * (y[:, 0] > 0)).sum() / (y[:, 0] > 0).sum(),
     ],
-    ids=["mean_plus_regularizer", "affine_in_mean", "sum_over_local_count"],
+    ids=["mean_plus_regularizer", "affine_in_mean", "sum_over_local_count", "sum_over_a_counted_subset"],
 )
 def test_losses_linear_in_the_batch_reductions_are_accepted(dp, loss_of):
     model, opt, data = _mlp()
     data_parallel(_step(loss_of), dp, backend=None)(model, opt, *data(8, 0))
+
+
+def test_one_hot_without_num_classes_is_refused_with_what_to_do(dp):
+    # F.one_hot(y) reads max(y): under DDP each rank's own labels give its number of classes.
+    model, opt, data = _mlp()
+    step = data_parallel(_step(lambda model, out, y: F.mse_loss(out, F.one_hot(y).float())), dp, backend=None)
+    x, _ = data(8, 0)
+    with pytest.raises(ValueError, match=r"could not trace the step into one graph \(\w+ in torch's one_hot: ") as info:
+        step(model, opt, x, torch.tensor([0, 1, 2, 3, 1, 2, 0, 3]))
+    assert "F.one_hot without num_classes reads the largest label" in str(info.value)
+    assert "pass num_classes" in str(info.value)
+    step = data_parallel(_step(lambda model, out, y: F.mse_loss(out, F.one_hot(y, 4).float())), dp, backend=None)
+    step(model, opt, x, torch.tensor([0, 1, 2, 3, 1, 2, 0, 3]))  # with num_classes: traced
 
 
 def test_scheduler_stepped_inside_the_step_is_refused(dp):

@@ -14,6 +14,10 @@ the op on each rank's local tensors and gives the result this layout:
   the input's class dim): the local weighted mean,
   ``Partial("avg")``, and its total weight, ``Partial("sum")``.  torch 2.13's
   DTensor rule gave the same; 2.15's has no sharded mean and gathers the batch.
+- ``binary_cross_entropy_with_logits`` (no DTensor rule on 2.13 or 2.15) on
+  an input and target sharded alike, with replicated ``weight`` and
+  ``pos_weight``: the local mean, ``Partial("avg")``, sum, ``Partial("sum")``,
+  or per-element loss, sharded as its input.
 - ``div`` of a value without a batch dim by a sum over the batch
   (``Partial("sum")``, read as each rank's own): a mean with its own count,
   ``Partial("avg")``.  ``F.cross_entropy``'s label smoothing divides the
@@ -43,7 +47,7 @@ from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 
 aten = torch.ops.aten
 
-_MEAN = 1  # torch.nn._reduction: 0 none, 1 mean, 2 sum
+_MEAN, _SUM = 1, 2  # torch.nn._reduction: 0 none, 1 mean, 2 sum
 _NLL_FORWARD = frozenset(
     getattr(aten, name).default for name in ("nll_loss_forward", "nll_loss2d_forward") if hasattr(aten, name)
 )
@@ -81,6 +85,16 @@ def local_rule(node: torch.fx.Node, layouts: dict[str, Any]) -> LocalRule | None
         if isinstance(batch, Shard) and batch.dim != 1 and weight == Replicate():
             if _layout(args[1], layouts) == Shard(batch.dim - (batch.dim > 1)):
                 return LocalRule((Partial("avg"), Partial("sum")), [])
+    if target is aten.binary_cross_entropy_with_logits.default:
+        batch = _layout(args[0], layouts)
+        weights = [_layout(a, layouts) for a in (*args[2:4], node.kwargs.get("weight"), node.kwargs.get("pos_weight"))]
+        reduction = args[4] if len(args) > 4 else node.kwargs.get("reduction", _MEAN)
+        if (
+            isinstance(batch, Shard)
+            and _layout(args[1], layouts) == batch
+            and all(w in (None, Replicate()) for w in weights)
+        ):
+            return LocalRule({_MEAN: Partial("avg"), _SUM: Partial("sum")}.get(reduction, batch), [])
     if target is aten.div.Tensor and len(args) == 2:
         num, den = (_layout(a, layouts) for a in args)
         if den == Partial("sum") and not isinstance(num, Shard):

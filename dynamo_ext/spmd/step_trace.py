@@ -27,6 +27,7 @@ import collections
 import contextlib
 import dataclasses
 import logging
+import re
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
@@ -39,6 +40,13 @@ from .. import _compat
 from . import step_state
 
 log = logging.getLogger(__name__)
+
+
+_TRACE_HINTS = {
+    "one_hot": "F.one_hot without num_classes reads the largest label, a number of classes each rank would find "
+    "in its own labels under DDP: pass num_classes. ",
+}
+"""What to do, for a torch function that read a tensor's value while the step was traced."""
 
 
 @dataclasses.dataclass
@@ -322,10 +330,14 @@ def trace_step(
         gm = make_fx(fn, tracing_mode=tracing_mode, record_module_stack=False)(*fakes)
     except Exception as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        # A data-dependent guard names the torch function that read a value ("Caused by: (file:line in fn)").
+        caller = re.search(r"Caused by: \(\S+ in (\w+)\)", str(e))
+        where = f" in torch's {caller.group(1)}" if caller else ""
+        hint = _TRACE_HINTS.get(caller.group(1), "") if caller else ""
         raise ValueError(
-            f"data_parallel could not trace the step into one graph ({type(e).__name__}: {first}). The step must "
-            "be traceable by make_fx: no .item()/.tolist() or Python control flow on tensor values (an optimizer "
-            "keeping a CPU step count, e.g. Adam without capturable=True, reads it with .item())"
+            f"data_parallel could not trace the step into one graph ({type(e).__name__}{where}: {first}). {hint}"
+            "The step must be traceable by make_fx: no .item()/.tolist() or Python control flow on tensor values "
+            "(an optimizer keeping a CPU step count, e.g. Adam without capturable=True, reads it with .item())"
         ) from e
     after = step_state.snapshot(step.modules, step.optimizers, step.params)
     step_state.refuse_changes(python_state, after + step_state.scheduler_snapshot(schedulers))
