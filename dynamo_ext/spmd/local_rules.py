@@ -77,7 +77,7 @@ def local_rule(node: torch.fx.Node, layouts: dict[str, Any]) -> LocalRule | None
     """The rule of NOTE [local rules] that applies to ``node`` given its inputs' layouts, or None."""
     if node.op != "call_function":
         return None
-    target, args = node.target, node.args
+    target, args = node.target, list[Any](node.args)
     if target in _NLL_FORWARD and len(args) >= 4 and args[3] == _MEAN:
         weight = _layout(args[2], layouts) if args[2] is not None else Replicate()
         batch = _layout(args[0], layouts)
@@ -85,7 +85,7 @@ def local_rule(node: torch.fx.Node, layouts: dict[str, Any]) -> LocalRule | None
         if isinstance(batch, Shard) and batch.dim != 1 and weight == Replicate():
             if _layout(args[1], layouts) == Shard(batch.dim - (batch.dim > 1)):
                 return LocalRule((Partial("avg"), Partial("sum")), [])
-    if target is aten.binary_cross_entropy_with_logits.default:
+    if target is aten.binary_cross_entropy_with_logits.default and len(args) >= 2:
         batch = _layout(args[0], layouts)
         weights = [_layout(a, layouts) for a in (*args[2:4], node.kwargs.get("weight"), node.kwargs.get("pos_weight"))]
         reduction = args[4] if len(args) > 4 else node.kwargs.get("reduction", _MEAN)
