@@ -88,7 +88,7 @@ def local_rule(node: torch.fx.Node, layouts: dict[str, Any]) -> LocalRule | None
     if target is aten.binary_cross_entropy_with_logits.default and len(args) >= 2:
         batch = _layout(args[0], layouts)
         weights = [_layout(a, layouts) for a in (*args[2:4], node.kwargs.get("weight"), node.kwargs.get("pos_weight"))]
-        reduction = args[4] if len(args) > 4 else node.kwargs.get("reduction", _MEAN)
+        reduction: Any = args[4] if len(args) > 4 else node.kwargs.get("reduction", _MEAN)
         if (
             isinstance(batch, Shard)
             and _layout(args[1], layouts) == batch
