@@ -212,3 +212,23 @@ def test_binary_cross_entropy_with_logits_is_each_ranks_own(dp, reduction, layou
     result = analyze_step(gm, args, [0, 0, None], dp)
     assert result.layouts["binary_cross_entropy_with_logits"] == layout
     assert list(result.reduce_before) == ["sub_"]
+
+
+def test_a_value_computed_from_a_gradient_is_never_read_locally(dp):
+    # NOTE [local rules]: a sum divided by a sum over the batch is each rank's own mean, except where the sum is
+    # a gradient's (here an update normalized by the gradient's sum): DDP's optimizer reads the averaged gradient.
+    def step(x, y, w):
+        loss = F.mse_loss(x @ w, y)
+        (g,) = torch.autograd.grad(loss, [w])
+        return w.detach().clone().sub_(0.1 * g / g.sum())
+
+    g = torch.Generator().manual_seed(0)
+    args = [torch.randn(8, 6, generator=g), torch.randn(8, 3, generator=g)]
+    args.append(torch.randn(6, 3, generator=g, requires_grad=True))
+    gm = make_fx(step)(*args)
+    grad = next(n for n in gm.graph.nodes if n.target is torch.ops.aten.sum.default).args[0]
+    assert "div" in analyze_step(gm, args, [0, 0, None], dp).local_reads  # a loss's mean: read locally
+    result = analyze_step(gm, args, [0, 0, None], dp, gradients=[grad])
+    div = next(n for n in gm.graph.nodes if n.name == "div")
+    assert "div" not in result.local_reads  # both of its gradient-made inputs reduced first: the average
+    assert set(result.reduce_before["div"]) == {a.name for a in div.args} == {"mul", "sum_1"}

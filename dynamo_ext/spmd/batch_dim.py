@@ -67,11 +67,19 @@ class _CollectiveRecorder(_compat.torch_dispatch_mode_base()):
 
 
 class _LayoutInterpreter(torch.fx.Interpreter):
-    def __init__(self, gm: torch.fx.GraphModule, mesh: Any, allow_reductions: bool = False) -> None:
+    def __init__(
+        self,
+        gm: torch.fx.GraphModule,
+        mesh: Any,
+        allow_reductions: bool = False,
+        from_gradients: frozenset = frozenset(),
+    ) -> None:
         super().__init__(gm)
         self.mesh = mesh
         self.layouts: dict[str, Any] = {}
         self.allow_reductions = allow_reductions
+        self.from_gradients = from_gradients
+        """Names of the parameters' gradients and of the nodes computed from them: never read locally."""
         self.reduce_before: dict[str, list[str]] = {}
         self.local_reads: dict[str, list[str]] = {}
 
@@ -98,7 +106,13 @@ class _LayoutInterpreter(torch.fx.Interpreter):
 
     def run_node(self, n: torch.fx.Node) -> Any:
         rule = local_rule(n, self.layouts)
-        if rule is not None and (self.allow_reductions or not rule.local_reads):
+        if (
+            rule is not None
+            and rule.local_reads
+            and (not self.allow_reductions or self.from_gradients & {*rule.local_reads})
+        ):
+            rule = None  # strict mode, or a gradient's value: DDP's readers of a gradient see the average
+        if rule is not None:
             out = self._run_locally(n, rule)
             self.layouts[n.name] = _layout(out, self.mesh)
             if rule.local_reads:
@@ -193,7 +207,12 @@ class StepLayouts:
 
 
 def analyze_step(
-    gm: torch.fx.GraphModule, example_inputs: Sequence[Any], input_batch_dims: Sequence[int | None], mesh: DeviceMesh
+    gm: torch.fx.GraphModule,
+    example_inputs: Sequence[Any],
+    input_batch_dims: Sequence[int | None],
+    mesh: DeviceMesh,
+    *,
+    gradients: Sequence[torch.fx.Node] = (),
 ) -> StepLayouts:
     """:func:`analyze_batch_dims` for a whole training step, optimizer update included.
 
@@ -211,9 +230,22 @@ def analyze_step(
       :attr:`StepLayouts.local_reads`: each rank uses its local value, as each
       rank of ``DistributedDataParallel`` does; no collective.
 
-    Args and errors as :func:`analyze_batch_dims`.
+    Args and errors as :func:`analyze_batch_dims`, and ``gradients``: the
+    nodes of the parameters' gradients as autograd accumulated them.  A local
+    rule (NOTE [local rules]) never reads one of them, or a value computed
+    from one, as the rank's own: DDP's readers of a gradient see the average.
     """
-    interpreter = _interpret(gm, example_inputs, input_batch_dims, mesh, allow_reductions=True)
+    seen: set[torch.fx.Node] = set()
+    todo = list(gradients)
+    while todo:
+        node = todo.pop()
+        if node not in seen:
+            seen.add(node)
+            todo.extend(node.users)
+    from_gradients = frozenset(n.name for n in seen)
+    interpreter = _interpret(
+        gm, example_inputs, input_batch_dims, mesh, allow_reductions=True, from_gradients=from_gradients
+    )
     return StepLayouts(interpreter.layouts, interpreter.reduce_before, interpreter.local_reads)
 
 
@@ -224,6 +256,7 @@ def _interpret(
     mesh: Any,
     *,
     allow_reductions: bool,
+    from_gradients: frozenset = frozenset(),
 ) -> _LayoutInterpreter:
     if mesh.ndim != 1:
         raise ValueError(f"analyze_batch_dims needs a 1-D data-parallel mesh, got a {mesh.ndim}-D mesh {mesh}")
@@ -249,7 +282,7 @@ def _interpret(
                 )
             placement = Replicate() if dim is None else Shard(dim % value.ndim)
             args.append(distribute_tensor(fake, mesh, [placement], src_data_rank=None))
-        interpreter = _LayoutInterpreter(gm, mesh, allow_reductions)
+        interpreter = _LayoutInterpreter(gm, mesh, allow_reductions, from_gradients)
         # Constants of the graph are plain tensors: no batch dim.  The graph already holds its
         # backward, and an optimizer's in-place update of a parameter is legal only without grad mode.
         with implicit_replication(), torch.no_grad():

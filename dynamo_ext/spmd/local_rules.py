@@ -33,7 +33,10 @@ the op on each rank's local tensors and gives the result this layout:
 A rule applies only where its inputs have those layouts; any other case goes
 to DTensor's rule as before.  Rules that read a Partial input apply only in
 :func:`.batch_dim.analyze_step` (which records local reads), not in
-:func:`.batch_dim.analyze_batch_dims`.
+:func:`.batch_dim.analyze_batch_dims`, and never to a parameter's gradient or
+a value computed from one (``analyze_step``'s ``gradients``): DDP's readers
+of a gradient (an optimizer dividing by ``grad.sum()``) see the average, so
+those reads stay reduction edges.
 """
 
 from __future__ import annotations

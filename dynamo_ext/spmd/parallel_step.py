@@ -160,7 +160,9 @@ class DataParallelStep:
             if dim is not None:
                 shape[dim] *= world
             examples.append(torch.empty(shape, dtype=t.dtype, device=t.device))
-        layouts = analyze_step(gm, examples, [None] * step.num_fixed + list(dims), self.mesh)
+        layouts = analyze_step(
+            gm, examples, [None] * step.num_fixed + list(dims), self.mesh, gradients=list(traced.gradients.values())
+        )
         group = self.mesh.get_group()
         reductions = insert_reductions(
             gm,
