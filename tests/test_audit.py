@@ -648,7 +648,16 @@ class TestNumerics(TestCase):
         empty = {"forward": {}, "backward": {}}
         self.assertEqual(
             [r["eager_comm"] for r in seen],
-            [{"forward": {}, "backward": {}, "modules": {"Global": empty}, "modules_c10d": {"Global": empty}}] * 2,
+            [
+                {
+                    "forward": {},
+                    "backward": {},
+                    "modules": {"Global": empty},
+                    "modules_c10d": {"Global": empty},
+                    "outside_root": [],
+                }
+            ]
+            * 2,
         )  # no collective
         both = numerics.combine(seen)
         self.assertEqual(both["compared"], 10)

@@ -201,6 +201,7 @@ from .inductor import (
 from .probes import optional_attr
 from .structured_logs import (
     emit_structured_artifact,
+    frame_being_compiled,
     graph_break_being_logged,
     graph_module_being_logged,
 )
@@ -325,6 +326,7 @@ __all__ = [
     "fake_mode_of",
     "fake_tensor",
     "forget_symm_mem_groups",
+    "frame_being_compiled",
     "frame_registrations",
     "free_unbacked_symbols",
     "fresh_compile_kwargs",

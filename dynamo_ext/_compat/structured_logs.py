@@ -68,6 +68,20 @@ def graph_module_being_logged(trace_name: str) -> tuple[Any, int | None]:
     return gm, aot_id if isinstance(aot_id, int) else None
 
 
+def frame_being_compiled() -> tuple[dict[str, Any], dict[str, Any]] | None:
+    """The locals and globals of the frame Dynamo compiles right now (what its sources ``L[...]``/``G[...]``
+    name), from inside a log handler on its graph: the root ``InstructionTranslator``'s ``f_locals`` and
+    ``f_globals`` (torch 2.11-2.15); ``None`` outside a compile."""
+    from torch._dynamo.symbolic_convert import InstructionTranslator
+
+    tx = InstructionTranslator.current_tx()
+    root = getattr(getattr(tx, "output", None), "root_tx", None)
+    f_locals, f_globals = getattr(root, "f_locals", None), getattr(root, "f_globals", None)
+    if not isinstance(f_locals, dict) or not isinstance(f_globals, dict):
+        return None
+    return f_locals, f_globals
+
+
 def emit_structured_artifact(name: str, payload: dict[str, Any]) -> None:
     """``torch._logging.trace_structured("artifact", ...)`` with a JSON payload (tlparse, the audit)."""
     import json

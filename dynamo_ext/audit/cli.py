@@ -80,7 +80,8 @@ def _add_run(sub: Any) -> argparse.ArgumentParser:
         help="launch TARGET on N local ranks and report (the default subcommand)",
         description="Run a distributed program on N local ranks under torch.compile (with dynamo-ext) and report "
         "every graph break and recompile, merged over ranks.",
-        epilog="TARGET is a script path or module:function; without it, the bundled Llama TP+FSDP2 example "
+        epilog="TARGET is a script path, module:function or script.py:function (a function returning a step is "
+        "trained --steps steps); without it, the bundled Llama TP+FSDP2 example "
         f"({DEFAULT_TARGET}, 4 ranks). Arguments after -- go to the target. Exit status: 0 passed; 1 the gate failed "
         "(budgets, --baseline, hang risks, numerics); 2 an error: bad input, or a rank raised, died (killed) or hung "
         "past --timeout (the rank is named; --json/--html are still written with what was collected); with "
@@ -112,6 +113,14 @@ def _add_run(sub: Any) -> argparse.ArgumentParser:
         help="numerics tolerance (with --atol; default: torch.testing.assert_close's per dtype)",
     )
     p.add_argument("--atol", type=float, default=None, help="numerics tolerance (with --rtol)")
+    p.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        metavar="N",
+        help="training steps the audit runs of a TARGET function that returns a step, such as pkg.train:make_step "
+        "(default 3; a target that runs its own loop runs its own steps)",
+    )
     p.add_argument(
         "--intra-node-bw",
         type=float,
@@ -172,8 +181,11 @@ def _add_diff(sub: Any) -> argparse.ArgumentParser:
 
 def _validate_target(target: str) -> str | None:
     """Why ``target`` cannot run, in one line, or ``None``."""
-    from .rank.target import is_function_target, resolve_function
+    from .rank.target import is_function_target, resolve_function, script_defines, script_function
 
+    script = script_function(target)
+    if script is not None:
+        return script_defines(*script)
     if is_function_target(target):
         module, _, func = target.partition(":")
         try:
@@ -246,6 +258,8 @@ def _audit(argv: list[str]) -> int:
         return fail(f"--nproc must be at least 1, got {nproc}")
     if args.timeout <= 0:
         return fail(f"--timeout must be positive, got {args.timeout:g}")
+    if args.steps is not None and args.steps < 1:
+        return fail(f"--steps must be at least 1, got {args.steps}")
     if (args.rtol is None) != (args.atol is None):
         return fail("give --rtol and --atol together (or neither, for torch.testing.assert_close's defaults)")
     why = _bad_option(args)
@@ -294,6 +308,7 @@ def _audit(argv: list[str]) -> int:
                 on_progress=show, keep_logs=args.keep_logs,
                 # The numerics check runs with the plugin (the stock run of --compare-stock is for counts).
                 check_numerics=check_numerics and (plugin or args.no_plugin), rtol=args.rtol, atol=args.atol,
+                steps=args.steps,
             )  # fmt: skip
     import dataclasses
 

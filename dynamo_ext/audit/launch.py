@@ -170,13 +170,16 @@ def run_ranks(
     check_numerics: bool = False,
     rtol: float | None = None,
     atol: float | None = None,
+    steps: int | None = None,
 ) -> AuditReport:
     """Run ``target`` on ``nproc`` ranks and return the merged report (partial when something failed).
 
     Never raises for a failure of the target: the report's ``errors`` and rank
     statuses say what happened.  ``check_numerics``: each rank then runs the
     target's ``make_step()`` compiled and eagerly and compares (``rtol``/``atol``,
-    see :mod:`.rank.numerics`); the result is ``report.numerics``.
+    see :mod:`.rank.numerics`); the result is ``report.numerics``.  ``steps``: the
+    training steps of a target function that returns a step (NOTE [the audit
+    drives the step] in :mod:`.rank.steps`; default 3).
     """
     work = tempfile.mkdtemp(prefix="dynamo-ext-audit-")
     logs = os.path.join(work, "logs")
@@ -186,6 +189,7 @@ def run_ranks(
         "-m", "dynamo_ext.audit.collect", "--out", work, "--plugin" if plugin else "--no-plugin",
         *(["--check-numerics"] if check_numerics else []),
         *([f"--rtol={rtol}", f"--atol={atol}"] if rtol is not None and atol is not None else []),
+        *([f"--steps={steps}"] if steps is not None else []),
         target, "--", *target_args,
     ]  # fmt: skip
     env = dict(os.environ)

@@ -27,12 +27,17 @@ from ..model.records import Collective, Comm, CountDifference, ModuleComm
 from ..schema import events as ev
 
 
+def _later(step: int | None) -> bool:
+    """A graph compiled after the first training step: counted in no total (NOTE [steps], :class:`.records.Comm`)."""
+    return step is not None and step > 1
+
+
 def _like_counted(colls: list[Collective]) -> list[Collective]:
     """The collectives the like-with-like count takes (NOTE [like-with-like collective counts])."""
     out = []
     fsdp_seen: set[tuple[str, str, str, str]] = set()
     for c in colls:
-        if c.inlined:
+        if c.inlined or _later(c.step):
             continue
         if c.origin == "fsdp" and c.kind != "all_reduce":
             key = (c.graph, c.graph_kind, c.module, c.kind)
@@ -85,7 +90,7 @@ def merge_comm(
             seen[(gid, g.graph)] += len(g.collectives)
             for c in g.collectives:
                 key = (gid, g.graph, base + int(c["index"]))
-                if not inlined:
+                if not inlined and not _later(g.step):
                     per_rank_sent[rank] += int(c["sent"])
                 row = rows.get(key)
                 if row is None:
@@ -134,11 +139,12 @@ def merge_comm(
                 ranks=tuple(sorted(row["ranks"])),
                 sent_by_rank=tuple(sorted(row["sent"].items())),
                 inlined=row["inlined"],
+                step=g.step,
             )
         )
     modules: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0, 0, 0.0])
     for c in colls:
-        if not c.inlined:
+        if not c.inlined and not _later(c.step):
             m = modules[(c.module or "-", c.phase)]
             m[0] += 1
             m[1] += c.sent
@@ -148,7 +154,7 @@ def merge_comm(
     eager = _eager_counts(events_by_rank, ref)
     differences: tuple[CountDifference, ...] = ()
     if eager is not None:
-        from .comm_explain import eager_modules_of, explain_counts
+        from .comm_explain import eager_modules_of, eager_outside_root, explain_counts
 
         events = events_by_rank.get(_numerics_rank(events_by_rank, ref) or 0, [])
         differences = explain_counts(
@@ -159,6 +165,7 @@ def merge_comm(
             counted,
             list(breaks),
             eager_c10d=eager_modules_of(events, "modules_c10d"),
+            outside_root=eager_outside_root(events),
         )
     return Comm(
         collectives=tuple(colls),
@@ -168,11 +175,25 @@ def merge_comm(
         ),
         bytes_per_step=max(per_rank_sent.values(), default=0),
         bytes_by_rank=tuple(sorted(per_rank_sent.items())),
-        est_ms_per_step=round(sum(c.est_ms or 0.0 for c in colls if not c.inlined), 6),
+        est_ms_per_step=round(sum(c.est_ms or 0.0 for c in colls if not c.inlined and not _later(c.step)), 6),
         counts=tuple((ph, k, n) for (ph, k), n in sorted(like.items())),
         eager_counts=eager,
         missing=missing + tuple(unknown),
         count_differences=differences,
+        later_steps=_later_lines(colls),
+    )
+
+
+def _later_lines(colls: list[Collective]) -> tuple[str, ...]:
+    """One line per graph compiled after the first step: its step, identity, kind and collectives."""
+    by: dict[tuple[int, str, str], dict[str, int]] = {}
+    for c in colls:
+        if _later(c.step) and not c.inlined:
+            kinds = by.setdefault((c.step or 0, c.graph, c.graph_kind), {})
+            kinds[c.kind] = kinds.get(c.kind, 0) + 1
+    return tuple(
+        f"step {step}: {kind} graph {graph}: " + ", ".join(f"{k} {n}" for k, n in sorted(kinds.items()))
+        for (step, graph, kind), kinds in sorted(by.items())
     )
 
 

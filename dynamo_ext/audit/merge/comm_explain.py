@@ -76,14 +76,21 @@ def _unit(module: str, tops: list[str]) -> str:
 
 
 def _eager_units(
-    modules: dict[str, dict[str, dict[str, int]]], tops: list[str], phase: str, kind: str
+    modules: dict[str, dict[str, dict[str, int]]],
+    tops: list[str],
+    phase: str,
+    kind: str,
+    outside_root: frozenset[str] = frozenset(),
 ) -> dict[str, int]:
+    """Eager counts per unit; ``outside_root``: top-level modules that ran while the root did not (their counts
+    are in ``Global``'s, not the root's)."""
+
     def n(path: str) -> int:
         return int(modules.get(path, {}).get(phase, {}).get(kind, 0))
 
     units = {t: n(t) for t in tops}
-    units[ROOT] = n(ROOT) - sum(units.values())
-    units[OUTSIDE] = n("Global") - n(ROOT)
+    units[ROOT] = n(ROOT) - sum(v for t, v in units.items() if t not in outside_root)
+    units[OUTSIDE] = n("Global") - n(ROOT) - sum(v for t, v in units.items() if t in outside_root)
     return units
 
 
@@ -95,6 +102,7 @@ def explain_counts(
     counted: list[Collective],
     breaks: list[str],
     eager_c10d: dict[str, dict[str, dict[str, int]]] | None = None,
+    outside_root: frozenset[str] = frozenset(),
 ) -> tuple[CountDifference, ...]:
     """One :class:`.records.CountDifference` per (phase, kind) whose counts differ (NOTE [count differences]).
 
@@ -102,7 +110,8 @@ def explain_counts(
     counts (:func:`..rank.eager_comm.count_eager`), ``None`` when the rank files have none (then every difference
     is unexplained); ``colls``: every collective of the report; ``counted``: those ``like`` counts (the
     like-with-like selection); ``breaks``: ``"file:line"`` of the report's graph breaks, named in reasons;
-    ``eager_c10d``: the per-module counts of c10d's own ops (``None``: not recorded).
+    ``eager_c10d``: the per-module counts of c10d's own ops (``None``: not recorded); ``outside_root``: modules
+    that ran while the root did not (:func:`..rank.eager_comm.count_eager`).
     """
     out = []
     for phase, kind in sorted(set(like) | set(eager)):
@@ -123,8 +132,8 @@ def explain_counts(
                 mine_c10d[_unit(c.module, tops)] += c.origin in ("fsdp", "explicit")
                 graphs[_unit(c.module, tops)].add(c.graph)
         in_phase = {_unit(c.module, tops) for c in colls if c.phase == phase and not c.inlined}
-        theirs = _eager_units(eager_modules, tops, phase, kind)
-        theirs_c10d = _eager_units(eager_c10d, tops, phase, kind) if eager_c10d is not None else {}
+        theirs = _eager_units(eager_modules, tops, phase, kind, outside_root)
+        theirs_c10d = _eager_units(eager_c10d, tops, phase, kind, outside_root) if eager_c10d is not None else {}
         # Compiled only outside any module: a hook's graph, whose collective eager counts in the hook's module.
         hooked = mine.get(OUTSIDE, 0) > theirs.get(OUTSIDE, 0)
         # FSDP2 traced, nothing eager around it: its collectives are placed or numbered otherwise than eager's.
@@ -175,7 +184,7 @@ def explain_counts(
             else:
                 unexplained.append(where)
         if fsdp_moved:
-            reasons.append(_fsdp_totals(phase, kind, colls, counted, eager_c10d or {}, tops, units))
+            reasons.append(_fsdp_totals(phase, kind, colls, counted, eager_c10d or {}, tops, units, outside_root))
         out.append(CountDifference(phase, kind, a, b, tuple(reasons), "; ".join(unexplained)))
     return tuple(out)
 
@@ -199,13 +208,14 @@ def _fsdp_totals(
     eager_c10d: dict[str, dict[str, dict[str, int]]],
     tops: list[str],
     units: list[str],
+    outside_root: frozenset[str] = frozenset(),
 ) -> str:
     """FSDP2's (phase, kind) collectives in all, per unit on both sides, and why eager's sit or number otherwise."""
     mine: dict[str, int] = defaultdict(int)
     for c in counted:
         if c.phase == phase and c.kind == kind and c.origin in ("fsdp", "explicit"):
             mine[_unit(c.module, tops)] += 1
-    theirs = _eager_units(eager_c10d, tops, phase, kind)
+    theirs = _eager_units(eager_c10d, tops, phase, kind, outside_root)
 
     def listed(n: dict[str, int]) -> str:
         return f"{sum(n.values())} ({', '.join(f'{u} {n[u]}' for u in units if n.get(u, 0) > 0) or 'none'})"
@@ -236,3 +246,11 @@ def eager_modules_of(events: list[ev.Event], key: str = "modules") -> dict[str, 
         if isinstance(e, ev.Numerics) and e.eager_comm:
             return e.eager_comm.get(key)
     return None
+
+
+def eager_outside_root(events: list[ev.Event]) -> frozenset[str]:
+    """The modules that ran while the root module did not, from a rank's ``numerics`` event (``outside_root``)."""
+    for e in events:
+        if isinstance(e, ev.Numerics) and e.eager_comm:
+            return frozenset(str(p) for p in e.eager_comm.get("outside_root") or ())
+    return frozenset()

@@ -28,19 +28,13 @@ from typing import Any
 import torch
 
 from ..model.kinds import BreakKind, RankStatus
-from ..model.records import (
-    AuditReport,
-    Frame,
-    Fusion,
-    Graph,
-    GraphBreak,
-    RankSummary,
-    Recompile,
-)
+from ..model.records import AuditReport, Frame, Fusion, Graph, GraphBreak, RankSummary, Recompile
+from ..model.steps import StepTally
 from ..rank.identity import break_id, fix_for
 from ..schema import events as ev
 from .identity import RESUME, graph_id, recompile_reason
 from .numerics import merge_numerics
+from .recompile_why import why_recompiled
 
 
 def _snippet(path: str, line: int, context: int = 3) -> tuple[tuple[int, str], ...]:
@@ -108,6 +102,7 @@ class Merger:
             "graphs": 0,
             "recompiles": 0,
             "compile_time_s": 0.0,
+            "tally": StepTally(),  # NOTE [steps] in schema/events.py
         }
         seqs: dict[str, list[str]] = defaultdict(list)
         comm: list[ev.Event] = []
@@ -119,7 +114,9 @@ class Merger:
             e = ev.parse_event(raw)
             if isinstance(e, ev.Break):
                 self._add_break(rank, e)
-                info["frame_skips" if e.kind == BreakKind.FRAME_SKIP else "graph_breaks"] += 1
+                kind = "frame_skips" if e.kind == BreakKind.FRAME_SKIP else "graph_breaks"
+                info[kind] += 1
+                info["tally"].add(e.step, kind)
             elif isinstance(e, ev.Compile):
                 # What the communication report needs of a compile: its graph's identity.
                 comm.append(dataclasses.replace(e, collectives={}, backward_collectives={}, collective_sequence=(),
@@ -127,9 +124,11 @@ class Merger:
                 info["compile_time_s"] += e.time_s
                 if e.recompile_reason:
                     info["recompiles"] += 1
+                    info["tally"].add(e.step, "recompiles")
                     self._add_recompile(rank, e)
                 if e.has_graph:
                     info["graphs"] += 1
+                    info["tally"].add(e.step, "graphs")
                     gid = self._add_graph(rank, e)
                     seqs[gid] += _sequence(e)
                     graph_of[e.compile_id] = gid
@@ -149,7 +148,7 @@ class Merger:
                 info["start"] = {"host": e.host, "node_rank": e.node_rank, "local_rank": e.local_rank}
                 self._plugin = self._plugin or dict(e.plugin)
             elif isinstance(e, ev.End):
-                info["end"] = {"counters": e.counters}
+                info["end"] = {"counters": e.counters, "steps": e.steps}
             elif isinstance(e, ev.Error):
                 info["error"] = info["error"] or e.message
             elif isinstance(e, ev.Numerics):
@@ -167,8 +166,9 @@ class Merger:
     def _add_recompile(self, rank: int, e: ev.Compile) -> None:
         reason = recompile_reason(e.recompile_reason)
         rid = f"{e.file}:{e.line} {e.function} | {reason}"
-        g = self._recompiles.setdefault(rid, {"e": e, "reason": reason, "counts": defaultdict(int)})
+        g = self._recompiles.setdefault(rid, {"e": e, "reason": reason, "counts": defaultdict(int), "steps": set()})
         g["counts"][rank] += 1
+        g["steps"].add(e.step)
         m = RESUME.match(e.code_name)
         if m:
             self._resume_recompiles[(e.file, int(m.group(2)))] += 1
@@ -180,9 +180,12 @@ class Merger:
         file, line, function, _ = stack[idx]
         bid = break_id(e.gb_type, file, int(line), function)
         g = self._breaks.setdefault(
-            bid, {"e": e, "idx": idx, "counts": defaultdict(int), "phases": set(), "kinds": set(), "wrappers": set()}
-        )
+            bid,
+            {"e": e, "idx": idx, "counts": defaultdict(int), "phases": set(), "kinds": set(), "wrappers": set(),
+             "steps": set()},
+        )  # fmt: skip
         g["counts"][rank] += 1
+        g["steps"].add(e.step)
         g["phases"].add(e.phase)
         g["kinds"].add(e.kind)
         if e.wrapper:
@@ -194,8 +197,11 @@ class Merger:
 
     def _add_graph(self, rank: int, e: ev.Compile) -> str:
         gid = graph_id(e)
-        g = self._graphs.setdefault(gid, {"e": e, "ops": {}, "colls": None, "seqs": {}, "time": 0.0, "fusions": {}})
+        g = self._graphs.setdefault(
+            gid, {"e": e, "ops": {}, "colls": None, "seqs": {}, "time": 0.0, "fusions": {}, "steps": set()}
+        )
         g["ops"][rank] = e.op_count
+        g["steps"].add(e.step)
         if g["colls"] is None:
             g["colls"] = (tuple(sorted(e.collectives.items())), tuple(sorted(e.backward_collectives.items())))
         g["time"] = max(g["time"], e.time_s)
@@ -283,6 +289,8 @@ class Merger:
                 count_by_rank=tuple(sorted(g["counts"].items())),
                 hang_risk=False,
                 divergent=multi and _divergent(g["counts"], ref),
+                steps=_steps(g["steps"]),
+                why=why_recompiled(g["reason"]),
             )
             for rid, g in self._recompiles.items()
         )
@@ -333,6 +341,7 @@ class Merger:
                     hang_risk=False,
                     divergent=multi and _divergent(counts, ref),
                     impact=occurrences * len(counts) + occurrences + 2 * caused,
+                    steps=_steps(g["steps"]),
                 )
             )
         breaks.sort(key=lambda b: (-b.impact, not b.distributed, b.id))
@@ -363,6 +372,7 @@ class Merger:
                     divergent=divergent,
                     collective_sequence_by_rank=tuple(sorted({**dict.fromkeys(ref, ()), **seqs}.items())),
                     fusions=tuple(Fusion(*k, ranks=tuple(sorted(rs))) for k, rs in g["fusions"].items()),
+                    steps=_steps(g["steps"]),
                 )
             )
         return graphs
@@ -389,6 +399,7 @@ class Merger:
             node_rank=st.get("node_rank", start.get("node_rank")),
             local_rank=start.get("local_rank"),
             waiting=tuple(st.get("waiting", ())),  # RankWait records: only the launcher knows them
+            steps=info["tally"].counts((end or {}).get("steps")) if "tally" in info else (),
         )
 
 
@@ -419,6 +430,10 @@ def merge(
 def _sequence(e: ev.Compile) -> list[str]:
     """The collectives a compile issues, in order: forward graph, then backward (``bwd:`` names)."""
     return [*e.collective_sequence, *(f"bwd:{n}" for n in e.backward_collective_sequence)]
+
+
+def _steps(seen: set[int | None]) -> tuple[int, ...]:
+    return tuple(sorted(s for s in seen if s is not None))
 
 
 def _divergent(counts: dict[int, int], ref: set[int]) -> bool:

@@ -25,6 +25,7 @@ def merge_numerics(per_rank: dict[int, ev.Numerics]) -> Numerics | None:
                 detail=m.get("detail", ""),
                 max_abs=m.get("max_abs"),
                 max_rel=m.get("max_rel"),
+                step=m.get("step"),
             )
             for r, e in per_rank.items()
             for m in e.mismatches
@@ -35,4 +36,6 @@ def merge_numerics(per_rank: dict[int, ev.Numerics]) -> Numerics | None:
         compared=max(e.compared for e in per_rank.values()),
         ranks=tuple(sorted(per_rank)),
         mismatches=tuple(mismatches),
+        steps=max((e.steps or 1 for e in per_rank.values()), default=1),
+        tolerances=next((e.tolerances for e in per_rank.values() if e.tolerances), ()),
     )

@@ -31,7 +31,9 @@ class Collective:
     graph's ``redistribute``, else implied by the collective) and
     ``alternative`` (``alternative_basis`` ``"heuristic"``: a suggestion, not
     verified).  ``inlined``: an AOT backward graph that compiled autograd
-    inlined; it never runs by itself and is left out of every total.
+    inlined; it never runs by itself and is left out of every total.  ``step``:
+    the training step its graph was compiled in (``None``: not known); graphs
+    compiled after the first step are left out of the totals (see :class:`Comm`).
     """
 
     graph: str
@@ -67,6 +69,7 @@ class Collective:
     ranks: tuple[int, ...]
     sent_by_rank: tuple[tuple[int, int], ...]
     inlined: bool = False
+    step: int | None = None
 
     @property
     def location(self) -> str:
@@ -115,7 +118,10 @@ class Comm:
     the same kinds (``None``: the numerics check did not run); ``count_differences``: where
     the two differ, and why (:class:`CountDifference`).  ``missing``: graphs
     with collectives that were not analysed (the report and its totals are
-    incomplete; ``--comm-budget`` then fails).
+    incomplete; ``--comm-budget`` then fails).  When the steps are known (NOTE [steps]), the totals and
+    counts are the first step's: graphs compiled in a later step (a recompile) replace or add to the first
+    step's, so they are listed in ``later_steps`` (one line per graph: its step, identity and collectives)
+    and counted in no total.
     """
 
     collectives: tuple[Collective, ...]
@@ -127,3 +133,4 @@ class Comm:
     eager_counts: tuple[tuple[str, str, int], ...] | None = None
     missing: tuple[str, ...] = ()
     count_differences: tuple[CountDifference, ...] = ()
+    later_steps: tuple[str, ...] = ()

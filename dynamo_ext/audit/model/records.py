@@ -19,6 +19,7 @@ from . import codec
 from .comm import Collective, Comm, CountDifference, ModuleComm  # noqa: F401  (AuditReport.comm; importers use these names)
 from .kinds import BreakKind, MismatchKind, RankStatus
 from .ranges import format_ranks, group_by
+from .steps import StepCounts, worst_per_step
 
 # Bump on an incompatible change of the JSON layout; adding keys is compatible.
 SCHEMA_VERSION = 1
@@ -85,6 +86,7 @@ class GraphBreak:
     hang_risk: bool
     impact: int
     divergent: bool = False
+    steps: tuple[int, ...] = ()  # the training steps it happened in, on any rank (NOTE [steps])
 
     @property
     def count(self) -> int:
@@ -155,6 +157,7 @@ class Graph:
     divergent: bool = False
     collective_sequence_by_rank: tuple[tuple[int, tuple[str, ...]], ...] = ()
     fusions: tuple[Fusion, ...] = ()
+    steps: tuple[int, ...] = ()  # the training steps it was compiled in, on any rank (NOTE [steps])
 
     @property
     def op_count(self) -> int:
@@ -176,6 +179,8 @@ class Recompile:
     count_by_rank: tuple[tuple[int, int], ...]
     hang_risk: bool
     divergent: bool = False
+    steps: tuple[int, ...] = ()  # the training steps it happened in, on any rank (NOTE [steps])
+    why: str = ""  # what changed and what makes it compile once (NOTE [why a recompile]); "": not read
 
     @property
     def count(self) -> int:
@@ -222,7 +227,8 @@ class RankSummary:
     the breaks of ``graph_breaks`` that counter did not count (torch 2.13 does not
     count data-dependent branches), so ``graph_breaks == dynamo_graph_breaks +
     dynamo_missed`` when the audit and Dynamo agree.  ``waiting``: for a rank the local audit's timeout found
-    still running, the compiled collectives it waits in (empty elsewhere).
+    still running, the compiled collectives it waits in (empty elsewhere).  ``steps``: its counts per
+    training step (NOTE [steps] in ``schema/events.py``; empty when its events carry no step).
     """
 
     rank: int
@@ -241,6 +247,7 @@ class RankSummary:
     node_rank: int | None = None
     local_rank: int | None = None
     waiting: tuple[RankWait, ...] = ()
+    steps: tuple[StepCounts, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -253,7 +260,8 @@ class NumericsMismatch:
     local shards for DTensors.  ``max_abs``/``max_rel``: the largest absolute
     and relative (to eager) error, ``None`` when not comparable (``detail``
     says why: type, placements, shape, dtype, missing).  ``index``: position
-    in the comparison order (outputs, gradients, parameters).
+    in the comparison order (outputs, gradients, parameters).  ``step``: the training step (from 1) when
+    the check compared several (NOTE [the audit drives the step]), else ``None``.
     """
 
     rank: int
@@ -263,6 +271,7 @@ class NumericsMismatch:
     detail: str
     max_abs: float | None
     max_rel: float | None
+    step: int | None = None
 
     def __str__(self) -> str:
         err = (
@@ -273,14 +282,15 @@ class NumericsMismatch:
         what = {"output": "output", "grad": "gradient of", "param": "parameter after the step"}.get(
             self.kind, self.kind
         )
-        return f"{what} {self.name} on rank {self.rank}: {err}"
+        return f"{'' if self.step is None else f'step {self.step}: '}{what} {self.name} on rank {self.rank}: {err}"
 
 
 @dataclasses.dataclass(frozen=True)
 class Numerics:
     """The numerics check (``--check-numerics``): compiled step vs eager step, from the same state, per rank.
 
-    ``compared``: tensors compared per rank (outputs + gradients + parameters);
+    ``compared``: tensors compared per rank (outputs + gradients + parameters, of each of ``steps`` training steps);
+    ``tolerances``: the target's own tolerances for some tensors (``Step.tolerances``), where they were used;
     ``ranks``: the ranks that finished the check; ``mismatches`` sorted by
     comparison order, then rank: ``mismatches[0]`` is the first tensor that differs.
     """
@@ -288,6 +298,8 @@ class Numerics:
     compared: int
     ranks: tuple[int, ...]
     mismatches: tuple[NumericsMismatch, ...]
+    steps: int = 1
+    tolerances: tuple[str, ...] = ()
 
     @property
     def first(self) -> NumericsMismatch | None:
@@ -307,7 +319,7 @@ class AuditReport:
     numerics or plugin state: :mod:`..merge.trace_reader`).
     """
 
-    __json_extra__: ClassVar[tuple[str, ...]] = ("totals",)
+    __json_extra__: ClassVar[tuple[str, ...]] = ("totals", "steps")
     # Keys reports of schema version 1 may lack (``world_size`` defaults to the number of ranks on read).
     __json_defaults__: ClassVar[dict[str, Any]] = {
         "target": "",
@@ -344,6 +356,11 @@ class AuditReport:
     def total_recompiles(self) -> int:
         """Recompiles on the rank with the most."""
         return max((r.recompiles for r in self.ranks), default=0)
+
+    @property
+    def steps(self) -> tuple[StepCounts, ...]:
+        """Per training step, the most any rank had of each count (empty when no rank's events carry a step)."""
+        return worst_per_step(r.steps for r in self.ranks)
 
     @property
     def hang_risks(self) -> tuple[str, ...]:

@@ -43,10 +43,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib
 import logging
 import os
-import runpy
 import signal
 import sys
 import threading
@@ -58,7 +56,8 @@ from ..schema.events import FORMAT_VERSION, End, Error, EventKind, Start, to_dic
 from .blocks import audit_blocks
 from .collector import Collector, JsonlSink, dynamo_counters
 from .identity import is_torch_file, normalize_path, user_frame_index
-from .target import is_function_target, rank_identity, resolve_function, root_of_target
+from .steps import DEFAULT_STEPS, OptimizerSteps
+from .target import find_make_step, is_function_target, rank_identity, resolve_function, root_of_target, run_script
 from .waits import compiled_waits
 
 log = logging.getLogger(__name__)
@@ -191,12 +190,24 @@ def _error_event(exc: BaseException, root: str | None = None) -> dict[str, Any]:
     )
 
 
-def _run_function(target: str) -> None:
-    _with_default_group(resolve_function(target))
+def _run_function(target: str, steps: int, collector: Collector, own: Any, *, keep: bool) -> Any:
+    """Call the target's function; one that returns a step is trained ``steps`` steps (NOTE [the audit drives
+    the step] in :mod:`.steps`): returns :class:`.steps.Trained` then (kept for the numerics check with ``keep``),
+    else ``None``.  Steps the call itself takes are counted by its optimizer (``own``, :class:`.steps.OptimizerSteps`)."""
+    from .numerics import as_step, is_step
+    from .steps import train
+
+    with own:
+        result = resolve_function(target)()
+    if not is_step(result):
+        return None
+    log.info("audit: %s returned a step: training it %d step(s)", target, steps)
+    return train(as_step(result), steps, collector, keep=keep, first=own.finished + 1)
 
 
-def _with_default_group(fn: Any, *, store_prefix: str | None = None) -> Any:
-    """``fn()`` with the default process group initialized (gloo on CPU, NCCL with CUDA) if it is not yet.
+@contextlib.contextmanager
+def _default_group(*, store_prefix: str | None = None) -> Any:
+    """The default process group initialized (gloo on CPU, NCCL with CUDA) within the block, if it is not yet.
 
     ``store_prefix``: rendezvous through torchrun's store under this prefix.  A
     second ``init_process_group`` in a process whose first group was destroyed
@@ -231,47 +242,25 @@ def _with_default_group(fn: Any, *, store_prefix: str | None = None) -> Any:
             dist.init_process_group(backend)
         created = True
     try:
-        return fn()
+        yield
     finally:
         if created and dist.is_initialized():
             dist.destroy_process_group()
 
 
-def _run_script(path: str, args: list[str]) -> None:
-    path = os.path.abspath(path)
-    sys.argv = [path, *args]
-    sys.path.insert(0, os.path.dirname(path))
-    runpy.run_path(path, run_name="__main__")
-
-
-def find_make_step(target: str) -> Any:
-    """The target's ``make_step`` (see :mod:`.numerics`, NOTE [step protocol]).
-
-    A ``module:function`` target's module attribute; for a script, its top-level
-    ``make_step``, found by running the script under another ``__name__`` (its
-    ``if __name__ == "__main__":`` block does not run again).
-
-    Raises:
-        LookupError: the target defines no ``make_step``.
-    """
-    if is_function_target(target):
-        found = getattr(importlib.import_module(target.partition(":")[0]), "make_step", None)
-    else:
-        found = runpy.run_path(os.path.abspath(target), run_name="__dynamo_ext_audit_step__").get("make_step")
-    if not callable(found):
-        raise LookupError(
-            f"--check-numerics: target {target!r} defines no make_step() returning (model, optimizer, step); "
-            "see docs/audit.md, 'Numerics check'"
-        )
-    return found
-
-
-def _check_numerics(target: str, rtol: float | None, atol: float | None, observed: list[dict]) -> dict[str, Any]:
-    """The ``numerics`` event: the target's own checks when it ran any (``observed``), else ``make_step()``'s."""
+def _check_numerics(
+    target: str, rtol: float | None, atol: float | None, observed: list[dict], trained: Any
+) -> dict[str, Any]:
+    """The ``numerics`` event: the steps the audit trained (``trained``, :func:`.steps.check`), else the target's
+    own checks when it ran any (``observed``), else ``make_step()``'s (built again: the target's run is over)."""
     import torch
 
     from .numerics import as_step, check_step, combine
 
+    if trained is not None:  # NOTE [the audit drives the step]: the same build, from the state saved before step 1
+        from .steps import check
+
+        return {"ev": EventKind.NUMERICS, **check(trained, rtol, atol)}
     if observed:  # NOTE [the target's own check]
         log.info("numerics: %d check_step call(s) of the audited run reported; make_step() not run", len(observed))
         return {"ev": EventKind.NUMERICS, **combine(observed)}
@@ -289,7 +278,8 @@ def _check_numerics(target: str, rtol: float | None, atol: float | None, observe
         eager_comm.update(counts)
         return result
 
-    result = _with_default_group(run, store_prefix="dynamo_ext_audit_numerics/")
+    with _default_group(store_prefix="dynamo_ext_audit_numerics/"):
+        result = run()
     return {"ev": EventKind.NUMERICS, **result, "eager_comm": eager_comm}
 
 
@@ -302,7 +292,8 @@ def _parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         prog="python -m dynamo_ext.audit.collect",
         description="Run TARGET as this rank of a job (under torchrun, srun, or dynamo-ext audit) and write what "
         "torch.compile did to DIR/rank<R>.jsonl; then: dynamo-ext audit merge DIR.",
-        epilog="TARGET is a script path or module:function; arguments after -- go to the target.",
+        epilog="TARGET is a script path, module:function or script.py:function (a function returning a step is "
+        "trained --steps steps); arguments after -- go to the target.",
     )
     p.add_argument("target", metavar="TARGET")
     p.add_argument("--out", required=True, metavar="DIR", help="directory for the rank files (shared by all nodes)")
@@ -310,6 +301,7 @@ def _parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--check-numerics", action="store_true", help="also check the target's make_step() (docs/audit.md)")
     p.add_argument("--rtol", type=float, default=None)
     p.add_argument("--atol", type=float, default=None)
+    p.add_argument("--steps", type=int, default=DEFAULT_STEPS, help="training steps of a target's make_step()")
     return p.parse_args(argv), target_args
 
 
@@ -388,11 +380,16 @@ def main(argv: list[str] | None = None) -> int:
     from ...collective_check import stream
 
     stream.track_positions(True)  # NOTE [where each rank waits]
+    trained = None
+    own = OptimizerSteps(collector)  # the target's own training steps, by its optimizer
+    group = contextlib.ExitStack()  # a function target's default group, kept until the numerics check is done
     try:
         if is_function_target(ns.target):
-            _run_function(ns.target)
+            group.enter_context(_default_group())
+            trained = _run_function(ns.target, ns.steps, collector, own, keep=ns.check_numerics)
         else:
-            _run_script(ns.target, target_args)
+            with own:
+                run_script(ns.target, target_args)
     except SystemExit as e:
         if e.code not in (None, 0):
             collector.record(to_dict(Error(type="SystemExit", message=f"target exited with status {e.code}")))
@@ -405,18 +402,23 @@ def main(argv: list[str] | None = None) -> int:
         observing.close()
         collector.stop()
         counters = {**dynamo_counters(), "graph_break_missed": collector.dynamo_missed()}
+        steps = collector.step if trained is not None else own.finished
         if status or not ns.check_numerics:
-            collector.record(to_dict(End(counters=counters, status=status)))
+            collector.record(to_dict(End(counters=counters, status=status, steps=steps)))
     if status == 0 and ns.check_numerics:
         try:
-            collector.record(_check_numerics(ns.target, ns.rtol, ns.atol, observed))
+            collector.record(_check_numerics(ns.target, ns.rtol, ns.atol, observed, trained))
         except BaseException as e:  # reported; the rank fails
             ev = _error_event(e, root)
             ev["message"] = f"numerics check: {ev['message']}"
             collector.record(ev)
             traceback.print_exc()
             status = EXIT_TARGET_FAILED
-        collector.record(to_dict(End(counters=counters, status=status)))
+        collector.record(to_dict(End(counters=counters, status=status, steps=steps)))
+    try:
+        group.close()
+    except Exception:  # the group's teardown after the run: logged, the run's outcome stands
+        log.warning("destroying the default process group failed", exc_info=True)
     watch.close()
     sink.close()
     return status

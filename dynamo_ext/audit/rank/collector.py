@@ -174,6 +174,7 @@ class Collector(logging.Handler):
         self._saved_levels: list[tuple[logging.Logger, int]] = []
         self._break_excs: list[Any] = []
         self.comm = CommTracer(root=root)
+        self.step: int | None = None  # the training step events are stamped with (NOTE [steps] in schema/events.py)
 
     # ---- lifecycle -------------------------------------------------------------
     def start(self) -> None:
@@ -210,8 +211,10 @@ class Collector(logging.Handler):
         return sum(1 for exc in self._break_excs if getattr(exc, "category", "graph_break") != "graph_break")
 
     def record(self, event: dict[str, Any]) -> None:
-        """Keep ``event`` and pass it to the sink."""
+        """Keep ``event`` (stamped with :attr:`step`, if it is a compile's) and pass it to the sink."""
         event.setdefault("time", time.time())
+        if self.step is not None and event.get("ev") in ("break", "compile", "fusion", "comm_graph"):
+            event.setdefault("step", self.step)
         with self._lock_events:
             self.events.append(event)
             if self._sink is not None:
@@ -416,14 +419,7 @@ class Collector(logging.Handler):
         )
 
 
-class _Quiet(logging.Handler):
-    """Swallows the graph-break log lines we enable only to get Dynamo to emit skips."""
-
-    def emit(self, record: logging.LogRecord) -> None:
-        pass
-
-
-_QUIET = _Quiet()
+_QUIET = logging.NullHandler()  # swallows the graph-break log lines enabled only to get Dynamo to emit skips
 
 
 def dynamo_counters() -> dict[str, int]:

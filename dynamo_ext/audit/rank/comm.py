@@ -58,6 +58,8 @@ from ...fx.nodes import example_value, tensor_bytes
 from ...node_origin import stack_frames, user_frame
 from ...variables.fsdp import sources as fsdp_sources
 from .identity import normalize_path
+from .module_names import fully_qualified_names, without_closures
+from .placements import alternative, implied_placements
 
 log = logging.getLogger(__name__)
 
@@ -120,55 +122,27 @@ def origin(stack_trace: str | None) -> str:
     return "explicit"
 
 
-def module_path(node: torch.fx.Node) -> str | None:
-    """The innermost module of ``nn_module_stack`` (or AOT's ``fwd_nn_module_stack``), root-relative; ``None``."""
+def module_path(node: torch.fx.Node, names: dict[str, str] | None = None) -> str | None:
+    """The innermost module of ``nn_module_stack`` (or AOT's ``fwd_nn_module_stack``), root-relative; ``None``.
+
+    ``names``: Dynamo's paths named by identity (NOTE [module names by identity] in :mod:`.module_names`);
+    a path not there is read as it is spelled.
+    """
     stack = node.meta.get("nn_module_stack") or node.meta.get("fwd_nn_module_stack")
     if not stack:
         return None
     raw = str(list(stack.values())[-1][0])
+    if names and raw in names:
+        return names[raw]
     # A module the traced FSDP2 hooks reached first (NOTE [modules reached through an FSDP2 state]).
     resolved = fsdp_sources.module_path_through_state(raw)
     path = _MODULES_DICT.sub(r".\1", resolved if resolved is not None else _ROOT_KEY.sub("", raw))
-    return path.replace(_CHECKPOINT_WRAPPED, "").lstrip(".") or "<root>"
+    return without_closures(path.replace(_CHECKPOINT_WRAPPED, "")).lstrip(".") or "<root>"
 
 
 def _placements(val: Any) -> str:
     pl = getattr(val, "placements", None)
     return "(" + ", ".join(map(str, pl)) + ")" if pl is not None else ""
-
-
-def implied_placements(kind: str) -> tuple[str, str]:
-    """Placements on the collective's mesh axis before and after, as the collective implies them (DTensor's short forms)."""
-    return {
-        "all_gather": ("S(?)", "R"),
-        "reduce_scatter": ("P(sum)", "S(?)"),
-        "all_reduce": ("P(sum)", "R"),
-        "all_to_all": ("S(?)", "S(?)"),
-        "broadcast": ("", "R"),
-    }.get(kind, ("", ""))
-
-
-def alternative(kind: str, phase: str, stack_trace: str) -> str:
-    """A placement that avoids or shrinks a DTensor collective (a heuristic: not verified by sharding propagation)."""
-    if kind == "all_reduce" and phase == "forward":
-        if "_prepare_output_fn" in stack_trace:  # RowwiseParallel's output
-            return (
-                "RowwiseParallel(output_layouts=Shard(1)) with SequenceParallel on the next norm: a reduce_scatter "
-                "of half the bytes instead of this all_reduce (the consumer must accept Shard(1))"
-            )
-        return "keep Partial() and let the consumer reduce (or Shard(d): reduce_scatter, half the bytes)"
-    if kind == "all_reduce":
-        if "_prepare_input_fn" in stack_trace:  # ColwiseParallel's input gradient
-            return (
-                "ColwiseParallel(input_layouts=Shard(1)) after a SequenceParallel norm: the gradient is "
-                "reduce-scattered (half the bytes) instead of all-reduced"
-            )
-        return "a Shard(d) gradient (reduce_scatter, half the bytes) where the consumer accepts it"
-    if kind == "all_gather":
-        return "keep Shard(d) (use_local_output=False, or a strategy that consumes Shard(d)) to skip the gather"
-    if kind == "all_to_all":
-        return "shard the consumer on the dim the producer shards (no resharding)"
-    return ""
 
 
 class CommTracer:
@@ -187,6 +161,10 @@ class CommTracer:
         self._meshes_seen: set[int] = set()
         self._dtensor_stacks: set[str] = set()
         self._aot_backward: dict[int, dict[str, torch.fx.Node]] = {}
+        # NOTE [module names by identity]: Dynamo's module paths -> names, per compile and of every compile
+        self.root_module: torch.nn.Module | None = None
+        self._names_of: dict[str, dict[str, str]] = {}
+        self._names: dict[str, str] = {}
 
     def on_graph(
         self, trace_name: str, compile_key: str, gm: Any, aot_id: int | None, text: str = ""
@@ -210,7 +188,7 @@ class CommTracer:
                 }
             return None
         if trace_name == "dynamo_output_graph":
-            self._learn(gm)
+            self._learn(gm, compile_key)
             # Compiles are sequential: a frame's AOT graphs follow its Dynamo graph; keep only the latest.
             self._dynamo = {compile_key: gm}
             return None
@@ -219,7 +197,10 @@ class CommTracer:
         ca = compile_key.startswith("!")
         graph = _graph_kind(trace_name, compile_key)
         dynamo_gm = self._dynamo.get(compile_key)
-        colls = self.analyse(gm, phase="backward" if graph != "forward" else "forward", dynamo_gm=dynamo_gm)
+        names = {**self._names, **self._names_of.get(compile_key, {})}
+        colls = self.analyse(
+            gm, phase="backward" if graph != "forward" else "forward", dynamo_gm=dynamo_gm, names=names
+        )
         inlined = sorted(
             {
                 int(m.group(1))
@@ -236,11 +217,25 @@ class CommTracer:
             "collectives": colls,
         }
 
-    def _learn(self, gm: torch.fx.GraphModule) -> None:
+    def _learn(self, gm: torch.fx.GraphModule, compile_key: str = "") -> None:
         """Mesh axis names of the groups of every DTensor in ``gm`` and of every mesh a compiled frame used
         (``variables.device_mesh.traced_meshes``: a collective on ``mesh.get_group()`` with no DTensor of that
-        mesh in the graph); module paths of its stack traces."""
+        mesh in the graph); the names of its modules (NOTE [module names by identity]); module paths of its
+        stack traces."""
         from ...variables.device_mesh import traced_meshes
+
+        scopes = _compat.frame_being_compiled()
+        if scopes is not None:
+            paths = {
+                str(v[0])
+                for n in gm.graph.nodes
+                for v in (n.meta.get("nn_module_stack") or {}).values()
+                if isinstance(v, tuple) and v
+            }
+            names = fully_qualified_names(sorted(paths), *scopes, root=self.root_module)
+            self._names_of[compile_key] = names
+            for raw, name in names.items():
+                self._names.setdefault(raw, name)
 
         for mesh in traced_meshes():
             if id(mesh) not in self._meshes_seen:
@@ -252,7 +247,7 @@ class CommTracer:
             if mesh is not None and id(mesh) not in self._meshes_seen:
                 self._meshes_seen.add(id(mesh))
                 self._learn_mesh(mesh)
-            st, mod = n.meta.get("stack_trace"), module_path(n)
+            st, mod = n.meta.get("stack_trace"), module_path(n, self._names_of.get(compile_key))
             if st and mesh is not None:
                 self._dtensor_stacks.add(st)
             if st and mod:
@@ -274,8 +269,16 @@ class CommTracer:
         found = self._aot_backward.get(int(m.group(1)), {}).get(node.name[m.end() :]) if m else None
         return found if found is not None and found.meta.get("stack_trace") else node
 
-    def analyse(self, gm: torch.fx.GraphModule, *, phase: str, dynamo_gm: torch.fx.GraphModule | None = None) -> list:
-        """One record per collective of ``gm`` in graph order (see NOTE [communication report])."""
+    def analyse(
+        self,
+        gm: torch.fx.GraphModule,
+        *,
+        phase: str,
+        dynamo_gm: torch.fx.GraphModule | None = None,
+        names: dict[str, str] | None = None,
+    ) -> list:
+        """One record per collective of ``gm`` in graph order (see NOTE [communication report]); ``names``:
+        Dynamo's module paths named by identity (:func:`module_path`)."""
         nodes = list(gm.graph.nodes)
         position = {n: i for i, n in enumerate(nodes)}
         donors = _attribution_donors(gm, dynamo_gm)
@@ -309,7 +312,7 @@ class CommTracer:
                 else:
                     before, after = implied_placements(kind)
                     basis = "implied by the collective"
-            mod = module_path(meta_node) or self._module_of_stack.get(st) or ""
+            mod = module_path(meta_node, names) or self._module_of_stack.get(st) or ""
             out.append(
                 {
                     "index": len(out),

@@ -60,12 +60,12 @@ def count_eager(into: dict[str, Any]) -> Iterator[None]:
     module path (:func:`eager_module_path`), the collectives issued while that module or one inside it
     ran (``CommDebugMode.comm_module_counts``: a module's count includes its submodules'), ``"Global"``
     the whole step; ``modules_c10d``: the same for c10d's own ops only (``c10d._allgather_base_``: what
-    FSDP2's hooks and explicit ``dist`` calls issue; DTensor issues functional collectives).  What the
-    communication report's count differences are explained with (:mod:`..merge.comm_explain`).
+    FSDP2's hooks and explicit ``dist`` calls issue; DTensor issues functional collectives);
+    ``outside_root``: the modules that ran while the root module did not (a loss calling the model's output
+    projection itself): their counts are not in the root's.  What the communication report's count
+    differences are explained with (:mod:`..merge.comm_explain`).  NOTE [collectives outside any module].
     """
-    from torch.distributed.tensor.debug import CommDebugMode
-
-    mode = CommDebugMode()
+    mode = _mode()
     with mode:
         yield
     modules: dict[str, dict[str, dict[str, int]]] = {}
@@ -89,6 +89,34 @@ def count_eager(into: dict[str, Any]) -> Iterator[None]:
         into[phase] = glob.get(phase, {})
     into["modules"] = modules
     into["modules_c10d"] = c10d
+    parents = getattr(getattr(mode, "advanced_module_tracker", None), "module_parents_dict", None) or {}
+    roots = {str(n) for n in parents if eager_module_path(str(n)) == "<root>"}
+    into["outside_root"] = sorted(
+        eager_module_path(str(n)) for n, ps in parents.items() if "." in str(n) and not roots & set(ps)
+    )
+
+
+# NOTE [collectives outside any module]
+# CommDebugMode's module tracker names the module a collective belongs to by the module it entered last, and
+# backward ends in the first module (the embedding): a collective the step issues after ``backward()``
+# (gradient clipping's norms) is counted in that module's forward.  So a collective issued while no module runs
+# (the tracker's ``parents`` is only ``"Global"``) and outside the backward is counted in ``"Global"`` alone:
+# outside any module, where it is.
+def _mode() -> Any:
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    class _OutsideModules(CommDebugMode):
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            tracker = getattr(self, "advanced_module_tracker", None)
+            if tracker is None or getattr(tracker, "parents", None) != {"Global"} or tracker.is_bw:
+                return super().__torch_dispatch__(func, types, args, kwargs)
+            name, tracker.name = tracker.name, "Global"
+            try:
+                return super().__torch_dispatch__(func, types, args, kwargs)
+            finally:
+                tracker.name = name
+
+    return _OutsideModules()
 
 
 def eager_counted_step(spec: Any) -> tuple[Any, dict[str, Any]]:

@@ -3,7 +3,8 @@
 NOTE [step protocol]
 A target exposes "a step" with a module-level ``make_step()`` (next to the
 ``module:function`` target's function, or at the top level of a target
-script) returning :class:`Step`, or any ``(model, optimizer, step)`` triple:
+script) returning :class:`Step`, or a ``(model, optimizer, step)`` triple
+(``(model, optimizer, step, lr_scheduler)``):
 
 - ``model``: the ``nn.Module`` whose parameters the step trains (FSDP2 /
   DTensor parameters are fine: their local shards are compared);
@@ -12,11 +13,21 @@ script) returning :class:`Step`, or any ``(model, optimizer, step)`` triple:
   through ``torch.compile`` (and compiled autograd, if the target uses it) when
   ``compiled`` is true and eagerly otherwise, and returns the loss or a
   (nested) dict / list / tuple of tensors (the outputs to compare, by path:
-  ``"loss"``, ``"out[0]"``, ``"logits"``).  It must not call the optimizer.
+  ``"loss"``, ``"out[0]"``, ``"logits"``).  It must not call the optimizer;
+- ``lr_scheduler`` (optional): stepped after each optimizer step, saved and
+  restored with the rest (anything with ``step()``, ``state_dict()`` and
+  ``load_state_dict()``);
+- ``tolerances`` (optional): ``{pattern: (rtol, atol)}`` for the tensors whose
+  compiled values the target knows to differ from eager's (a fused eager kernel
+  whose compiled decomposition sums in another order), matched with ``fnmatch``
+  against ``"<kind>:<name>"`` (``"grad:*norm.weight"``, ``"param:*"``,
+  ``"output:loss"``), the first match wins; ``--rtol``/``--atol`` replace them all.
 
-:func:`check_step` snapshots the parameters, the optimizer state and the RNG
-state, runs ``step(False)``, then ``optimizer.step()``; restores the snapshot;
-runs ``step(True)``, then ``optimizer.step()``; and compares, in this order,
+A training step is ``step(compiled)``, ``optimizer.step()``, ``lr_scheduler.step()``
+(:func:`run_step`).  :func:`check_step` saves the parameters' and buffers' local
+values, the optimizer's and scheduler's state and the RNG state (:mod:`.state`,
+NOTE [one build, saved state]), runs the eager training step, restores them,
+runs the compiled one, and compares, in this order,
 the outputs, the gradients (before the optimizer step; type and DTensor
 placements, then local values) and the parameters after the optimizer step.
 Tensors are equal when ``torch.testing.assert_close`` would call them equal
@@ -35,9 +46,9 @@ counted as :func:`.eager_comm.eager_counted_step` counts them.
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
-from collections.abc import Callable, Iterator
+import fnmatch
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -46,28 +57,38 @@ from torch import nn
 
 @dataclasses.dataclass(frozen=True)
 class Step:
-    """What ``make_step()`` returns (see NOTE [step protocol])."""
+    """What ``make_step()`` returns (see NOTE [step protocol]); ``lr_scheduler`` is optional."""
 
     model: nn.Module
     optimizer: torch.optim.Optimizer | None
     step: Callable[[bool], Any]
+    lr_scheduler: Any = None
+    tolerances: Mapping[str, tuple[float, float]] | None = None
 
 
 MakeStepResult = Step | tuple[nn.Module, torch.optim.Optimizer | None, Callable[[bool], Any]]
-"""What a ``make_step()`` returns: a :class:`Step`, or its ``(model, optimizer, step)`` triple."""
+"""What a ``make_step()`` returns: a :class:`Step`, or its ``(model, optimizer, step[, lr_scheduler])`` tuple."""
+
+
+def is_step(obj: Any) -> bool:
+    """Whether ``obj`` is what a ``make_step()`` returns (a :class:`Step`, or a tuple :func:`as_step` takes)."""
+    return isinstance(obj, Step) or (
+        isinstance(obj, tuple) and len(obj) in (3, 4) and isinstance(obj[0], nn.Module) and callable(obj[2])
+    )
 
 
 def as_step(obj: Any) -> Step:
-    """A :class:`Step` from ``make_step()``'s result (a ``Step`` or a ``(model, optimizer, step)`` triple).
+    """A :class:`Step` from ``make_step()``'s result (a ``Step``, or a ``(model, optimizer, step[, lr_scheduler])``
+    tuple).
 
     Raises:
         TypeError: ``obj`` is neither, or its parts have the wrong types.
     """
     if not isinstance(obj, Step):
-        if not (isinstance(obj, (tuple, list)) and len(obj) == 3):
+        if not (isinstance(obj, (tuple, list)) and len(obj) in (3, 4)):
             raise TypeError(
-                f"make_step() must return dynamo_ext.audit.Step or a (model, optimizer, step) triple, got "
-                f"{type(obj).__name__}"
+                f"make_step() must return dynamo_ext.audit.Step or a (model, optimizer, step[, lr_scheduler]) "
+                f"tuple, got {type(obj).__name__}"
             )
         obj = Step(*obj)
     if not isinstance(obj.model, nn.Module):
@@ -78,7 +99,39 @@ def as_step(obj: Any) -> Step:
         )
     if not callable(obj.step):
         raise TypeError(f"make_step(): step must be callable as step(compiled: bool), got {type(obj.step).__name__}")
+    missing = [m for m in ("step", "state_dict", "load_state_dict") if not callable(getattr(obj.lr_scheduler, m, None))]
+    if obj.lr_scheduler is not None and missing:
+        raise TypeError(
+            f"make_step(): lr_scheduler must have step(), state_dict() and load_state_dict() (a "
+            f"torch.optim.lr_scheduler.LRScheduler or a container like it), got {type(obj.lr_scheduler).__name__} "
+            f"without {', '.join(missing)}()"
+        )
+    for pattern, tol in (obj.tolerances or {}).items():
+        if not (isinstance(pattern, str) and isinstance(tol, tuple) and len(tol) == 2 and all(t >= 0 for t in tol)):
+            raise TypeError(
+                f"make_step(): tolerances must map a pattern such as 'grad:*norm.weight' to (rtol, atol), two "
+                f"numbers >= 0; got {pattern!r}: {tol!r}"
+            )
     return obj
+
+
+def tolerance(
+    kind: str, name: str, rtol: float | None, atol: float | None, tolerances: Mapping[str, tuple[float, float]] | None
+) -> tuple[float | None, float | None]:
+    """The ``(rtol, atol)`` a tensor is compared with: ``rtol``/``atol`` when given, else the first of the target's
+    ``tolerances`` whose pattern matches ``"<kind>:<name>"`` (NOTE [step protocol]), else ``(None, None)``
+    (``torch.testing.assert_close``'s per-dtype defaults)."""
+    if rtol is not None or atol is not None:
+        return rtol, atol
+    for pattern, (r, a) in (tolerances or {}).items():
+        if fnmatch.fnmatchcase(f"{kind}:{name}", pattern):
+            return r, a
+    return None, None
+
+
+def described_tolerances(tolerances: Mapping[str, tuple[float, float]] | None) -> list[str]:
+    """The target's tolerances in words, for the report (``"grad:*norm.weight: rtol 0, atol 0.0001"``)."""
+    return [f"{p}: rtol {r:g}, atol {a:g}" for p, (r, a) in (tolerances or {}).items()]
 
 
 def _flatten(out: Any, path: str = "") -> Iterator[tuple[str, Any]]:
@@ -138,28 +191,59 @@ def _kind(x: Any) -> str:
     return "None" if x is None else type(x).__name__
 
 
-def _rng_state() -> tuple[Any, Any]:
-    return torch.get_rng_state(), (torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None)
+Run = tuple[list[tuple[str, Any]], list[tuple[str, Any]], list[tuple[str, Any]]]
+"""One step's (outputs, gradients, parameters after the optimizer step), by name, as :func:`run_step` captured them."""
 
 
-def _set_rng_state(state: tuple[Any, Any]) -> None:
-    torch.set_rng_state(state[0])
-    if state[1] is not None:
-        torch.cuda.set_rng_state_all(state[1])
+def run_step(spec: Step, compiled: bool, *, capture: bool = True) -> Run | None:
+    """One training step: ``spec.step(compiled)``, then the optimizer's and the LR scheduler's step.
 
-
-def _run(spec: Step, compiled: bool) -> tuple[list[tuple[str, Any]], list[tuple[str, Any]], list[tuple[str, Any]]]:
+    Gradients are cleared first.  With ``capture``, returns copies of the outputs, the gradients after
+    ``step`` (before the optimizer) and the parameters after the optimizer step; else ``None``.
+    """
     for p in spec.model.parameters():
         p.grad = None
     out = spec.step(compiled)
-    outputs = [(n, t.detach().clone()) for n, t in _flatten(out)]
-    named = list(spec.model.named_parameters())
+    named = list(spec.model.named_parameters()) if capture else []
+    outputs = [(n, t.detach().clone()) for n, t in _flatten(out)] if capture else []
     grads = [(n, None if p.grad is None else p.grad.detach().clone()) for n, p in named]
     if spec.optimizer is not None:
         spec.optimizer.step()
         spec.optimizer.zero_grad(set_to_none=True)
-    params = [(n, p.detach().clone()) for n, p in named]
-    return outputs, grads, params
+    if spec.lr_scheduler is not None:
+        spec.lr_scheduler.step()
+    if not capture:
+        return None
+    return outputs, grads, [(n, p.detach().clone()) for n, p in named]
+
+
+def compare_runs(
+    eager: list[Run],
+    compiled: list[Run],
+    rtol: float | None,
+    atol: float | None,
+    *,
+    first: int = 1,
+    tolerances: Mapping[str, tuple[float, float]] | None = None,
+) -> dict[str, Any]:
+    """Compare the eager and compiled runs of the same steps, step by step: ``{"compared", "mismatches"}``.
+
+    Each mismatch has ``index`` (its position in the comparison order: step by step, outputs, then gradients,
+    then parameters) and, when more than one step was compared, ``step`` (the first is number ``first``).
+    Tolerances: :func:`tolerance`.
+    """
+    mismatches: list[dict[str, Any]] = []
+    compared = 0
+    for number, (e_run, c_run) in enumerate(zip(eager, compiled, strict=True), first):
+        for kind, e_list, c_list in zip(("output", "grad", "param"), e_run, c_run):
+            e_map, c_map = dict(e_list), dict(c_list)
+            for name in list(e_map) + [n for n in c_map if n not in e_map]:
+                compared += 1
+                r, a = tolerance(kind, name, rtol, atol, tolerances)
+                m = compare(name, kind, e_map.get(name), c_map.get(name), r, a)
+                if m is not None:
+                    mismatches.append({"index": compared - 1, **({"step": number} if len(eager) > 1 else {}), **m})
+    return {"compared": compared, "mismatches": mismatches}
 
 
 def check_step(spec: Step, *, rtol: float | None = None, atol: float | None = None) -> dict[str, Any]:
@@ -219,28 +303,11 @@ def combine(results: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def _check(spec: Step, rtol: float | None, atol: float | None) -> dict[str, Any]:
-    params = [p for _, p in spec.model.named_parameters()]
-    with torch.no_grad():
-        saved_params = [p.detach().clone() for p in params]
-    saved_optim = copy.deepcopy(spec.optimizer.state_dict()) if spec.optimizer is not None else None
-    rng = _rng_state()
+    from . import state
 
-    eager = _run(spec, compiled=False)
-    with torch.no_grad():
-        for p, s in zip(params, saved_params):
-            p.copy_(s)
-    if spec.optimizer is not None and saved_optim is not None:
-        spec.optimizer.load_state_dict(copy.deepcopy(saved_optim))
-    _set_rng_state(rng)
-    compiled = _run(spec, compiled=True)
-
-    mismatches: list[dict[str, Any]] = []
-    compared = 0
-    for kind, e_list, c_list in zip(("output", "grad", "param"), eager, compiled):
-        e_map, c_map = dict(e_list), dict(c_list)
-        for name in list(e_map) + [n for n in c_map if n not in e_map]:
-            compared += 1
-            m = compare(name, kind, e_map.get(name), c_map.get(name), rtol, atol)
-            if m is not None:
-                mismatches.append({"index": compared - 1, **m})
-    return {"compared": compared, "mismatches": mismatches}
+    saved = state.save(spec.model, spec.optimizer, spec.lr_scheduler)
+    eager = run_step(spec, compiled=False)
+    state.restore(saved, spec.model, spec.optimizer, spec.lr_scheduler)
+    compiled = run_step(spec, compiled=True)
+    assert eager is not None and compiled is not None
+    return compare_runs([eager], [compiled], rtol, atol, tolerances=spec.tolerances)

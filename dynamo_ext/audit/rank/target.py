@@ -84,18 +84,77 @@ def rank_identity(environ: MutableMapping[str, str] | None = None) -> dict[str, 
 
 
 def resolve_function(target: str) -> Any:
-    """The function named by ``module:function`` (dots allowed after the colon)."""
-    module_name, _, attr = target.partition(":")
-    obj: Any = importlib.import_module(module_name)
-    for part in attr.split("."):
+    """The function named by ``module:function`` or ``script.py:function`` (dots allowed after the colon).
+
+    A script's functions are read by running it under another ``__name__`` than ``"__main__"`` (its
+    ``if __name__ == "__main__":`` block does not run), with its directory first on ``sys.path``, as when
+    it runs as a script.
+    """
+    script = script_function(target)
+    obj: Any
+    if script is not None:
+        first, _, rest = script[1].partition(".")
+        if first not in (names := script_globals(script[0])):
+            raise AttributeError(f"script {script[0]!r} defines no {first!r}")
+        obj = names[first]
+        parts = rest.split(".") if rest else []
+    else:
+        module_name, _, attr = target.partition(":")
+        obj = importlib.import_module(module_name)
+        parts = attr.split(".")
+    for part in parts:
         obj = getattr(obj, part)
     return obj
 
 
-def is_function_target(target: str) -> bool:
-    """``module:function`` rather than a script path."""
+SCRIPT_MODULE_NAME = "__dynamo_ext_audit_step__"  # the ``__name__`` a script runs under when its functions are read
+
+
+def script_globals(path: str) -> dict[str, Any]:
+    """The globals of the script ``path`` run under :data:`SCRIPT_MODULE_NAME` (its ``__main__`` block does not run),
+    its directory first on ``sys.path`` as when it runs as a script."""
+    import runpy
+    import sys
+
+    path = os.path.abspath(path)
+    if os.path.dirname(path) not in sys.path:
+        sys.path.insert(0, os.path.dirname(path))
+    return runpy.run_path(path, run_name=SCRIPT_MODULE_NAME)
+
+
+def script_function(target: str) -> tuple[str, str] | None:
+    """``(script path, function)`` of a ``script.py:function`` target (the script exists); else ``None``."""
     import re
 
+    path, sep, attr = target.rpartition(":")
+    if not sep or not path.endswith(".py") or not os.path.isfile(path):
+        return None
+    return (path, attr) if re.fullmatch(r"[A-Za-z_][\w.]*", attr) else None
+
+
+def script_defines(path: str, name: str) -> str | None:
+    """Why ``path`` defines no top-level ``name`` (the script is read, not run), or ``None``."""
+    import ast
+
+    try:
+        tree = ast.parse(open(path, encoding="utf-8").read(), filename=path)
+    except (OSError, SyntaxError) as e:
+        return f"cannot read the script {path!r} of target {path}:{name}: {type(e).__name__}: {e}"
+    first = name.split(".")[0]
+    defined = {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))}
+    defined |= {t.id for n in tree.body if isinstance(n, ast.Assign) for t in n.targets if isinstance(t, ast.Name)}
+    defined |= {a.asname or a.name for n in tree.body if isinstance(n, ast.ImportFrom) for a in n.names}
+    if first not in defined:
+        return f"script {path!r} defines no {first!r} at its top level (target {path}:{name})"
+    return None
+
+
+def is_function_target(target: str) -> bool:
+    """``module:function`` or ``script.py:function`` rather than a script path."""
+    import re
+
+    if script_function(target) is not None:
+        return True
     return not os.path.exists(target) and re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*", target) is not None
 
 
@@ -108,6 +167,9 @@ def root_of_target(target: str) -> str:
     """
     if not is_function_target(target):
         return target_root(target)
+    script = script_function(target)
+    if script is not None:
+        return target_root(script[0])
     import importlib.util
 
     module = target.partition(":")[0]
@@ -122,3 +184,37 @@ def root_of_target(target: str) -> str:
     for _ in range(module.count(".") + (os.path.basename(origin) == "__init__.py")):
         base = os.path.dirname(base)
     return target_root(base)
+
+
+def run_script(path: str, args: list[str]) -> None:
+    """Run the script ``path`` as ``__main__`` with ``sys.argv = [path, *args]``, its directory first on ``sys.path``."""
+    import runpy
+    import sys
+
+    path = os.path.abspath(path)
+    sys.argv = [path, *args]
+    sys.path.insert(0, os.path.dirname(path))
+    runpy.run_path(path, run_name="__main__")
+
+
+def find_make_step(target: str) -> Any:
+    """The target's ``make_step`` (see :mod:`.numerics`, NOTE [step protocol]).
+
+    A ``module:function`` target's module attribute; for a script (or ``script.py:function``), its top-level
+    ``make_step``, found by running the script under another ``__name__`` (its ``if __name__ == "__main__":``
+    block does not run again).
+
+    Raises:
+        LookupError: the target defines no ``make_step``.
+    """
+    script = script_function(target)
+    if script is not None or not is_function_target(target):
+        found = script_globals(script[0] if script else target).get("make_step")
+    else:
+        found = getattr(importlib.import_module(target.partition(":")[0]), "make_step", None)
+    if not callable(found):
+        raise LookupError(
+            f"--check-numerics: target {target!r} defines no make_step() returning (model, optimizer, step); "
+            "see docs/audit.md, 'Numerics check'"
+        )
+    return found

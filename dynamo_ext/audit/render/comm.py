@@ -95,6 +95,12 @@ def counts_line(comm: Comm) -> tuple[str, bool | None]:
     return "\n".join(lines), ok
 
 
+LATER_STEPS = (
+    "Graphs compiled after the first step (recompiles; listed above, not in the totals or counts, which are the first "
+    "step's):"
+)
+
+
 def comm_renderables(comm: Comm) -> Group:
     """Terminal tables: every collective (runs of identical ones as one row), totals per module, the step's totals."""
     t = Table(
@@ -151,6 +157,8 @@ def comm_renderables(comm: Comm) -> Group:
         "\n".join(f"[a{i}] alternative (heuristic, not verified by sharding propagation): {a}" for a, i in alts.items())
     )
     parts = [t, notes, m, foot] if alts else [t, m, foot]
+    if comm.later_steps:
+        parts.append(Text(LATER_STEPS + "\n" + "\n".join(f"  {x}" for x in comm.later_steps)))
     if comm.missing:
         parts.append(
             Text("INCOMPLETE communication report:\n" + "\n".join(f"  {x}" for x in comm.missing), style="bold red")
@@ -177,6 +185,8 @@ def comm_html(comm: Comm) -> str:
         for x in comm.modules
     )
     missing = "".join(f"<p class='bad'>incomplete: {escape(x)}</p>" for x in comm.missing)
+    if comm.later_steps:
+        missing += f"<p>{escape(LATER_STEPS)}<br>" + "<br>".join(escape(x) for x in comm.later_steps) + "</p>"
     return (
         f"<h2>Communication</h2>{missing}<p id='comm-totals'>Per step (each compiled graph once): <b>{comm.bytes_per_step}</b> "
         f"bytes sent per rank (worst rank), estimated <b>{comm.est_ms_per_step * 1000:.1f} us</b> "

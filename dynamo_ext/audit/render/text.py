@@ -50,6 +50,28 @@ def _summary(report: AuditReport) -> Table:
     return t
 
 
+def _steps(report: AuditReport) -> Table | None:
+    """Breaks + frame skips / graphs / recompiles per training step (worst rank), each run a column; ``None``
+    when no run counted more than one step (NOTE [steps] in schema/events.py)."""
+    runs = [(name, r) for name, r in (("stock", report.stock), ("plugin" if report.plugin.get("installed") else "run",
+                                                                  report)) if r is not None]  # fmt: skip
+    per = {name: {c.step: c for c in r.steps} for name, r in runs}
+    numbers = sorted({n for p in per.values() for n in p})
+    if len([n for n in numbers if n > 0]) < 2:
+        return None
+    t = Table(title="Per training step (worst rank)", box=box.SIMPLE_HEAVY, title_justify="left")
+    t.add_column("step", justify="right")
+    for name, _ in runs:
+        t.add_column(f"{name}: breaks / graphs / recompiles", justify="right")
+    for n in numbers:
+        cells = []
+        for name, _ in runs:
+            c = per[name].get(n)
+            cells.append(_NONE if c is None else f"{c.graph_breaks + c.frame_skips} / {c.graphs} / {c.recompiles}")
+        t.add_row("0 (build)" if n == 0 else str(n), *cells)
+    return t
+
+
 def _breaks(report: AuditReport) -> Table | Text:
     stock = {b.id: b for b in report.stock.graph_breaks} if report.stock else {}
     ids = [b.id for b in report.graph_breaks] + [i for i in stock if i not in {b.id for b in report.graph_breaks}]
@@ -101,11 +123,15 @@ def _recompiles(report: AuditReport) -> Table | None:
     t.add_column("reason", overflow="fold", ratio=3)
     t.add_column("ranks")
     t.add_column("count", justify="right")
+    t.add_column("steps")
     for r in report.recompiles:
         reason = Text(r.reason)
+        if r.why:
+            reason.append(f"\nwhy: {r.why}", style="yellow")
         if r.hang_risk:
             reason.append("  [HANG RISK]", style="bold red")
-        t.add_row(r.function, f"{r.file}:{r.line}", reason, _ranks(r.ranks, report.world_size), str(r.count))
+        steps = ", ".join(map(str, r.steps)) or _NONE
+        t.add_row(r.function, f"{r.file}:{r.line}", reason, _ranks(r.ranks, report.world_size), str(r.count), steps)
     return t
 
 
@@ -198,7 +224,11 @@ def renderables(report: AuditReport) -> Group:
         head.append(f"\nplugin: {plugin['blocks']}")
     for note in report.notes:
         head.append(f"\nnote: {note}", style="yellow")
-    parts: list = [head, _summary(report), _breaks(report)]
+    parts: list = [head, _summary(report)]
+    steps = _steps(report)
+    if steps is not None:
+        parts.append(steps)
+    parts.append(_breaks(report))
     for extra in (_recompiles(report), _graphs(report)):
         if extra is not None:
             parts.append(extra)
@@ -209,9 +239,9 @@ def renderables(report: AuditReport) -> Group:
         parts.append(comm_renderables(report.comm))
     num = report.numerics
     if num is not None:
-        head = (
-            f"Numerics (compiled step vs eager, same state): {num.compared} tensors per rank, ranks {list(num.ranks)}: "
-        )
+        what = "compiled step vs eager" if num.steps == 1 else f"{num.steps} compiled training steps vs eager"
+        own = f"; the target's tolerances: {'; '.join(num.tolerances)}" if num.tolerances else ""
+        head = f"Numerics ({what}, same state{own}): {num.compared} tensors per rank, ranks {list(num.ranks)}: "
         if num.mismatches:
             lines = [f"  {m}" for m in num.mismatches[:20]]
             more = len(num.mismatches) - len(lines)

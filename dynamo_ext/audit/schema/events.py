@@ -9,6 +9,13 @@ unknown keys are ignored (a newer writer may add keys without a new version), a 
 an unknown kind is a :class:`ValueError`.  Bump :data:`FORMAT_VERSION` when a change would make an older
 reader misread a file (a key changes meaning or type, a required key appears); the merge refuses files
 of another version (:func:`check_format_version`) instead of guessing.
+
+NOTE [steps]
+``break``, ``compile``, ``fusion`` and ``comm_graph`` events carry the training step they happened in
+(``step``, from 1; 0: before the first, while the target was built), and ``end`` the number of steps the
+rank started (``steps``).  A target the audit drives (``make_step()``, :mod:`..rank.steps`) has its steps
+numbered by the audit; a target that runs its own loop, by its optimizer steps (the first ``optimizer.step()``
+ends step 1).  Both keys are optional: files without them read as they did (no per-step report).
 """
 
 from __future__ import annotations
@@ -89,6 +96,7 @@ class Break:
     abs_file: str | None = None  # the user frame's file as the rank saw it (for the snippet); None: ``stack``'s
     phase: str = "forward"
     compile_id: str = ""
+    step: int | None = None  # NOTE [steps]
     time: float | None = None
 
 
@@ -113,6 +121,7 @@ class Compile:
     fail_type: str | None = None
     fail_reason: str | None = None
     phase: str = "forward"
+    step: int | None = None  # NOTE [steps]
     time: float | None = None
 
 
@@ -129,6 +138,7 @@ class Fusion:
     node: str = ""
     phase: str = "forward"
     after_compile: bool = False
+    step: int | None = None  # NOTE [steps]
     time: float | None = None
 
 
@@ -143,6 +153,7 @@ class CommGraph:
     inlined_aot_ids: tuple[int, ...] = ()
     collectives: tuple[dict[str, Any], ...] = ()
     missing: str = ""  # why the graph was not analysed ("" when it was)
+    step: int | None = None  # NOTE [steps]
     time: float | None = None
 
 
@@ -154,6 +165,8 @@ class Numerics:
     compared: int
     mismatches: tuple[dict[str, Any], ...]
     eager_comm: dict[str, Any] | None = None
+    steps: int | None = None  # training steps compared (NOTE [the audit drives the step]); None: one
+    tolerances: tuple[str, ...] = ()  # the target's own (Step.tolerances), in words, where they were used
     time: float | None = None
 
 
@@ -198,11 +211,15 @@ class Stack:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class End:
-    """The rank finished: the exit status it returns and Dynamo's counters (their change during the run)."""
+    """The rank finished: the exit status it returns and Dynamo's counters (their change during the run).
+
+    ``steps``: the training steps the rank started (NOTE [steps]); ``None`` when it did not count them.
+    """
 
     KIND: ClassVar[EventKind] = EventKind.END
     counters: dict[str, int] = dataclasses.field(default_factory=dict)
     status: int = 0
+    steps: int | None = None
     time: float | None = None
 
 
