@@ -171,9 +171,9 @@ from .frame_state import (
 )
 from .fsdp import (
     fsdp_ddp_mesh_info,
-    fsdp_forward_training_state,
     fsdp_gradient_divide_factors,
     fsdp_group_hook_codes,
+    fsdp_idle_training_state,
     fsdp_module_class,
     fsdp_param_group_class,
     fsdp_param_groups,
@@ -331,9 +331,9 @@ __all__ = [
     "free_unbacked_symbols",
     "fresh_compile_kwargs",
     "fsdp_ddp_mesh_info",
-    "fsdp_forward_training_state",
     "fsdp_gradient_divide_factors",
     "fsdp_group_hook_codes",
+    "fsdp_idle_training_state",
     "fsdp_module_class",
     "fsdp_param_group_class",
     "fsdp_param_groups",

@@ -156,9 +156,9 @@ def fsdp_group_hook_codes() -> tuple[Any, Any, Any] | None:
         handle.remove()
 
 
-def fsdp_forward_training_state() -> Any:
-    """FSDP2's ``TrainingState.FORWARD`` (a state whose eager forward hooks are running), ``None`` where absent."""
-    return getattr(optional_attr(f"{_FSDP}._fsdp_common", "TrainingState"), "FORWARD", None)
+def fsdp_idle_training_state() -> Any:
+    """FSDP2's ``TrainingState.IDLE`` (a state or param group between passes), ``None`` where absent."""
+    return getattr(optional_attr(f"{_FSDP}._fsdp_common", "TrainingState"), "IDLE", None)
 
 
 @functools.cache

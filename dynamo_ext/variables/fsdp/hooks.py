@@ -37,11 +37,11 @@ from ... import _compat, graph_breaks
 from ...guards.spec import GuardSpec, install_spec_guard
 from ..base import wrap_constant
 from ..functions import register_handler, register_polyfill
-from . import gather_stamps, reduce, sources
+from . import gather_stamps, passes, reduce, sources
 
 log = logging.getLogger(__name__)
-# FSDP2's TrainingState.FORWARD: a state whose forward FSDP2's eager hooks are running.
-_EAGER_FORWARD = _compat.fsdp_forward_training_state()
+# FSDP2's TrainingState.IDLE: a state or param group between passes.
+_IDLE = _compat.fsdp_idle_training_state()
 
 
 def gather_with_fsdp_backward(param_group: Any, fsdp_param: Any, local: Any) -> Any:
@@ -71,8 +71,18 @@ def _gather_handler(tx: Any, args: list[Any], kwargs: dict[str, Any]) -> Any:
     # the same).  reshard_after_forward=False saves it, like eager.
     # torch 2.11's compiled checkpoint tags only the region's own ops for recompute, not those
     # inside the gather's autograd.Function: there a policy (selective checkpointing) tags them all.
+    # The setting is read when the frame is traced and not guarded: it decides where the unsharded
+    # parameter lives until backward (saved, or gathered again), never a value.  torchtitan's chunked loss
+    # turns it on for the [norm, lm_head] group after its first call (set_reshard_after_forward(True) where
+    # fully_shard had False); the frame keeps the choice it was traced with instead of recompiling.
     recomputed = _gather_recomputed if _compat.checkpoint_tags_nested_ops() else _gather_recomputed_by_policy
     impl = recomputed if param_group.post_forward_mesh_info is not None else _gather_impl
+    log.debug(
+        "FSDP2 %s: reshard_after_forward=%s traced (%s)",
+        fsdp_param._module_info.param_name,
+        param_group.post_forward_mesh_info is not None,
+        "gathered again in backward" if impl is not _gather_impl else "saved for backward",
+    )
     if impl is _gather_recomputed_by_policy:
         log.debug("FSDP2 %s: re-gather checkpointed with a recompute-all policy", fsdp_param._module_info.param_name)
     rows = fsdp_param.padded_sharded_param_size[0]
@@ -159,13 +169,23 @@ def _set_param(fsdp_param: Any, tensor: Any) -> None:
 def pre_forward(state: Any, module: Any, args: Any, kwargs: Any) -> Any:
     """Traceable ``FSDPState._pre_forward``: unshard every parameter of the state's groups.
 
-    The first state to run forward is the iteration's forward root
-    (``iter_forward_root``), as in eager FSDP2: its post-forward finishes the
-    module groups whose pass did not reach their last module.
+    The first state to run forward begins the traced pass (NOTE [FSDP2 passes in traced frames]):
+    its post-forward finishes the module groups whose pass did not reach their last module.  The
+    tree's root always begins one.
     """
     ctx = state._state_ctx
-    if ctx.iter_forward_root is None:
-        ctx.iter_forward_root = state
+    if state._is_root:
+        for other in ctx.all_states:
+            other._dynamo_ext_modules_to_run = None
+        ctx._dynamo_ext_forward_root = state
+        if _IDLE is not None:  # what FSDP2's final backward callback resets (NOTE [FSDP2 passes in traced frames])
+            ctx.iter_forward_root = None
+            for other in ctx.all_states:
+                other._training_state = _IDLE
+                for group in _compat.fsdp_param_groups(other):
+                    group._training_state = _IDLE
+    elif ctx._dynamo_ext_forward_root is None:
+        ctx._dynamo_ext_forward_root = state
     args, kwargs = cast_inputs(state, args, kwargs)
     for group in _compat.fsdp_param_groups(state):
         for fsdp_param in group.fsdp_params:
@@ -177,21 +197,15 @@ def post_forward(state: Any, module: Any, input: Any, output: Any) -> Any:
     """Traceable ``FSDPState._post_forward``: put the sharded parameters back."""
     reshard(state)
     ctx = state._state_ctx
-    if ctx.iter_forward_root is state:
+    if ctx._dynamo_ext_forward_root is state:
         # FSDPState._force_complete_incomplete_states: a module group (fully_shard([a, b]))
-        # whose pass skipped a module is finished by the forward root.  A pass FSDP2's eager
-        # hooks started (training state FORWARD) is left to them, as without the plugin.
+        # whose traced pass skipped a module is finished by the pass's first state.
         for other in reversed(ctx.all_states):
-            if (
-                other is not state
-                and len(other._modules) > 1
-                and len(other._modules_to_run_forward) > 0
-                and other._training_state != _EAGER_FORWARD
-            ):
+            if other is not state and other._dynamo_ext_modules_to_run is not None:
                 reshard(other)
                 output = cast_output(other, output)
-                other._modules_to_run_forward.clear()
-        ctx.iter_forward_root = None
+                other._dynamo_ext_modules_to_run = None
+        ctx._dynamo_ext_forward_root = None
     return cast_output(state, output)
 
 
@@ -275,7 +289,7 @@ def config_record(state: Any) -> tuple[Any, ...]:
                 len(group.fsdp_params),
                 getattr(group, "gradient_divide_factor", None),
                 getattr(group, "force_sum_reduction_for_comms", False),
-                group.post_forward_mesh_info is not None,
+                getattr(group, "is_sharded", True),  # NOTE [FSDP2 passes in traced frames]
                 tuple((p.param_dtype, p.reduce_dtype) for p in group.fsdp_params),
             )
         )
@@ -307,6 +321,7 @@ def check_state(tx: Any, args: list[Any], kwargs: dict[str, Any]) -> None:
         )
     if getattr(state, "_is_root", False) is None:
         state._lazy_init()
+    passes.init(state)
     if _compat.inside_higher_order_op(tx):
         # The hooks set the module's parameters: a side effect Dynamo refuses inside a
         # higher-order op body (activation checkpointing replays its region in backward).
@@ -317,6 +332,13 @@ def check_state(tx: Any, args: list[Any], kwargs: dict[str, Any]) -> None:
         )
     install_spec_guard(args[0].source, CONFIG_GUARD)
     sources.remember_state(args[0].source, state)  # NOTE [modules reached through an FSDP2 state]
+    if passes.eagerly_unsharded(state):
+        graph_breaks.graph_break(
+            graph_breaks.FSDP_UNTRACED,
+            "an FSDP2 module whose pass FSDP2's eager hooks started and left unsharded (after an earlier graph "
+            "break or a skipped frame, or reshard_after_forward=False with no backward since); its hooks run "
+            "eagerly too",
+        )
     # One decision for the whole FSDP tree: traced hooks and eager FSDP2 hooks
     # do not mix within one backward (the eager root would not queue its callback).
     states = getattr(getattr(state, "_state_ctx", None), "all_states", None) or [state]

@@ -32,11 +32,15 @@ _THROUGH_STATE = re.compile(
 
 
 def remember_state(source: Any, state: Any) -> None:
-    """Record an FSDP2 state a trace reached through ``source`` (a Dynamo ``Source``)."""
-    try:
-        _STATES[_REDUNDANT.sub(r".\2", _compat.source_name(source))] = state
-    except TypeError:  # not weakly referenceable: nothing to resolve through it
-        pass
+    """Record an FSDP2 state a trace reached through ``source`` (a Dynamo ``Source``), and the states of its
+    tree through ``<source>._state_ctx.all_states[k]`` (the traced root's pre-forward walks them)."""
+    name = _REDUNDANT.sub(r".\2", _compat.source_name(source))
+    tree = getattr(getattr(state, "_state_ctx", None), "all_states", None) or ()
+    for key, value in [(name, state), *((f"{name}._state_ctx.all_states[{k}]", s) for k, s in enumerate(tree))]:
+        try:
+            _STATES[key] = value
+        except TypeError:  # not weakly referenceable: nothing to resolve through it
+            pass
 
 
 def module_path_through_state(name: str) -> str | None:
