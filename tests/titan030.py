@@ -426,6 +426,7 @@ def main(argv: list[str] | None = None) -> None:
     import argparse
     import json
 
+    import titan030  # the rank processes import the functions they run by module name, not as __main__
     from helpers import run_on_ranks
 
     defaults = Setup()
@@ -439,7 +440,9 @@ def main(argv: list[str] | None = None) -> None:
             parser.add_argument(flag, type=kind, default=field.default)
     args = parser.parse_args(argv)
     setup = Setup(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Setup)})
-    for rank, result in enumerate(run_on_ranks(measure, setup, plugin=False)):
+    for rank, result in enumerate(
+        run_on_ranks(titan030.measure, titan030.Setup(**dataclasses.asdict(setup)), plugin=False)
+    ):
         print(json.dumps({"rank": rank, "setup": dataclasses.asdict(setup), **result}, default=str))
 
 

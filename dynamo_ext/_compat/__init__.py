@@ -179,6 +179,7 @@ from .fsdp import (
     fsdp_param_groups,
     fsdp_param_module_fqn,
     fsdp_single_param_group,
+    fsdp_spmd_types_reductions,
     fsdp_state_class,
     fsdp_unsharded_spec,
 )
@@ -339,6 +340,7 @@ __all__ = [
     "fsdp_param_groups",
     "fsdp_param_module_fqn",
     "fsdp_single_param_group",
+    "fsdp_spmd_types_reductions",
     "fsdp_state_class",
     "fsdp_unsharded_spec",
     "get_fake_value",

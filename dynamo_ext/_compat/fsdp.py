@@ -165,3 +165,30 @@ def fsdp_idle_training_state() -> Any:
 def fsdp_ddp_mesh_info() -> Any:
     """FSDP2's ``DDPMeshInfo`` class (an HSDP mesh's info is one), ``None`` where absent."""
     return optional_attr(f"{_FSDP}._fsdp_common", "DDPMeshInfo")
+
+
+def fsdp_spmd_types_reductions(fsdp_param: Any) -> tuple[tuple[str, int], ...] | None:
+    """For an FSDP2 parameter annotated with ``spmd_types``: the sum all-reduces its gradient gets outside DP.
+
+    ``None`` for any other parameter.  torch 2.15's ``FSDPParam`` marks such a parameter ``is_spmd_types``
+    (``spmd_types`` installed and the parameter annotated when ``fully_shard`` ran: torchtitan 0.3.0's default
+    backend); its unsharded parameter is the plain local tensor, and ``_get_grad_inner_tensor`` wraps the
+    gradient as a DTensor on the full SPMD mesh with ``_spmd_grad_placements`` and redistributes the non-DP
+    mesh axes (``_dp_dim_indices`` left out) to ``_unsharded_dtensor_spec``'s placements before the DP
+    reduce-scatter.  Returns ``(group name, group size)`` per mesh axis where that is ``Partial(sum)`` to
+    ``Replicate`` (a sum all-reduce), in mesh order.  Raises ``ValueError`` for any other change of
+    placement (none that spmd_types' ``R/P/I/S`` types give a parameter).
+    """
+    if not getattr(fsdp_param, "is_spmd_types", False):
+        return None
+    spec = fsdp_param._unsharded_dtensor_spec
+    dp_axes = fsdp_param._dp_dim_indices
+    out = []
+    for axis, (grad, target) in enumerate(zip(fsdp_param._spmd_grad_placements, spec.placements)):
+        if axis in dp_axes or grad == target:
+            continue
+        if not (grad.is_partial() and getattr(grad, "reduce_op", None) == "sum" and target.is_replicate()):
+            raise ValueError(f"gradient placement {grad} redistributed to {target} on mesh axis {axis}")
+        group = spec.mesh.get_group(axis)
+        out.append((group.group_name, group.size()))
+    return tuple(out)

@@ -17,6 +17,23 @@ to the numbers of a training step:
   does.  FSDP2's eager backward hooks are not registered: the gradient flows
   through the gather's backward into the sharded parameter's ``.grad``.
 
+NOTE [FSDP2 over an SPMD mesh]
+torchtitan 0.3.0's default backend (``spmd_types``) keeps parameters as plain
+local tensors annotated with spmd_types types and calls ``fully_shard`` on the
+whole dp x tp mesh (``dp_mesh_dims``).  FSDP2 (torch 2.15) then stores each
+such parameter as a DTensor on that mesh, sharded on dim 0 over the DP axis
+(``_StridedShard`` where TP shards the same dim), and unshards it to the plain
+TP-local tensor.  Traced the same way: the local shard is all-gathered over
+the DP shard group (the TP-local tensor, as for FSDP over TP) and set on the
+module as a plain tensor.  Its gradient: eager FSDP2 wraps it as a DTensor on
+the full mesh with the backward types of the annotations (``R`` gives
+``Partial``) and sums the non-DP axes where it is ``Partial`` before the DP
+reduce-scatter (``_get_grad_inner_tensor``); the traced gather's output passes
+through ``reduce.AllReduceGrad`` per such axis, so the backward does that sum
+at the same point, in the gradient's dtype.  An SPMD mesh without spmd_types
+annotations (``full_dtensor``: DTensor parameters on the full mesh) reduces
+otherwise and is refused (``dynamo_ext: unsupported FSDP2 layout``).
+
 Lazy initialisation (choosing the root, building param groups) runs once at
 trace time on the real FSDP state, as the root's first eager pre-forward would.
 Streams, prefetching and memory reuse are eager-only concerns: inside a graph
@@ -92,6 +109,24 @@ def _gather_handler(tx: Any, args: list[Any], kwargs: dict[str, Any]) -> Any:
     return gather_stamps.call(tx, impl, args[2], constants, key)
 
 
+def spmd_types_reductions(fsdp_param: Any) -> Any:
+    """``_compat.fsdp_spmd_types_reductions(fsdp_param)``, a constant at trace time (:func:`_spmd_handler`)."""
+    raise RuntimeError("spmd_types_reductions is only meaningful inside a graph traced by dynamo-ext")
+
+
+def _spmd_handler(tx: Any, args: list[Any], kwargs: dict[str, Any]) -> Any:
+    fsdp_param = getattr(args[0], "value", None)
+    if fsdp_param is None:
+        graph_breaks.graph_break(graph_breaks.FSDP_UNTRACED, "FSDPParam not known at trace time")
+    try:
+        reductions = _compat.fsdp_spmd_types_reductions(fsdp_param)
+    except ValueError as e:
+        graph_breaks.graph_break(
+            graph_breaks.FSDP_UNTRACED, f"FSDP2 gradient reduction of an spmd_types parameter: {e}"
+        )
+    return wrap_constant(tx, reductions)
+
+
 def _gather_impl(local: Any, padded_rows: int, *fields: Any) -> Any:
     import torch.nn.functional as F  # noqa: N812
 
@@ -144,6 +179,12 @@ def unshard_param(param_group: Any, fsdp_param: Any) -> Any:
     full = gather_with_fsdp_backward(param_group, fsdp_param, fsdp_param.sharded_param.to_local())
     size = fsdp_param._orig_size
     full = torch.narrow(full, 0, 0, size[0]).reshape(size)
+    outside_dp = spmd_types_reductions(fsdp_param)
+    if outside_dp is not None:
+        # NOTE [FSDP2 over an SPMD mesh]: a parameter annotated with spmd_types is unsharded to its plain
+        # local tensor (FSDPParam.init_unsharded_param keeps it plain), whose gradient eager FSDP2 sums over
+        # the non-DP mesh axes where it is Partial before the reduce-scatter.
+        return reduce.reduce_outside_dp(full, outside_dp)
     if fsdp_param.is_dtensor:
         # FSDP over TP: the gathered tensor is this rank's TP shard; the
         # unsharded parameter is that shard as a DTensor on the TP mesh.
@@ -349,7 +390,9 @@ def check_state(tx: Any, args: list[Any], kwargs: dict[str, Any]) -> None:
             graph_breaks.graph_break(graph_breaks.FSDP_UNTRACED, "; ".join(reasons))
     for group in _compat.fsdp_param_groups(state):
         for p in group.fsdp_params:
-            spmd = getattr(p.mesh_info, "is_spmd_mesh", False)
+            # An SPMD mesh (fully_shard(..., dp_mesh_dims=...)) is traced for spmd_types parameters only
+            # (NOTE [FSDP2 over an SPMD mesh]); full_dtensor's DTensor parameters reduce otherwise.
+            spmd = getattr(p.mesh_info, "is_spmd_mesh", False) and not _annotated(p)
             # torch 2.11 (one optional param group per state): FSDP over TP
             # fails in Dynamo's guards on TP's hook closures; break cleanly there.
             old_tp = p.is_dtensor and _compat.fsdp_single_param_group()
@@ -357,8 +400,16 @@ def check_state(tx: Any, args: list[Any], kwargs: dict[str, Any]) -> None:
                 graph_breaks.graph_break(
                     graph_breaks.FSDP_LAYOUT,
                     f"fully_shard parameter {p._module_info.param_name!r} with {p.fsdp_placement} "
-                    f"(SPMD mesh: {spmd}, FSDP over TP on torch 2.11: {old_tp})",
+                    f"(SPMD mesh without spmd_types annotations: {spmd}, FSDP over TP on torch 2.11: {old_tp})",
                 )
+
+
+def _annotated(fsdp_param: Any) -> bool:
+    """Whether ``fsdp_param`` carries spmd_types annotations (its reduction's own refusal is :func:`_spmd_handler`'s)."""
+    try:
+        return _compat.fsdp_spmd_types_reductions(fsdp_param) is not None
+    except ValueError:
+        return True
 
 
 def register() -> None:
@@ -367,5 +418,6 @@ def register() -> None:
     if state_cls is None:
         return
     register_handler(gather_with_fsdp_backward, _gather_handler)
+    register_handler(spmd_types_reductions, _spmd_handler)
     register_polyfill(state_cls.__dict__["_pre_forward"], pre_forward, check=check_state)
     register_polyfill(state_cls.__dict__["_post_forward"], post_forward, check=check_state)

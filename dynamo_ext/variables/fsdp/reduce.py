@@ -140,3 +140,29 @@ def gather(local: torch.Tensor, reduction: GradReduction) -> torch.Tensor:
     return FSDPAllGather.apply(
         local, r.group_name, r.world, r.param_dtype, r.reduce_dtype, r.op, r.premul, r.pre_factor, r.post_factor
     )
+
+
+class AllReduceGrad(torch.autograd.Function):
+    """Identity in forward; in backward, the gradient summed over one more process group.
+
+    ``forward(t, group_name)``.  An spmd_types parameter's gradient is ``Partial`` on a non-DP mesh axis
+    (TP, for a parameter replicated there) and eager FSDP2 all-reduces it over that axis before the DP
+    reduce-scatter (``fsdp_spmd_types_reductions``; NOTE [FSDP2 over an SPMD mesh] in ``hooks.py``): applied to
+    the gathered parameter, this runs at that point of its backward, in the gradient's own dtype.
+    """
+
+    @staticmethod
+    def forward(ctx, t, group_name):
+        ctx.group_name = group_name
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return wait_tensor(_C.all_reduce(grad.contiguous(), "sum", ctx.group_name)), None
+
+
+def reduce_outside_dp(t: torch.Tensor, groups: tuple[tuple[str, int], ...]) -> torch.Tensor:
+    """``t``, with its gradient summed over each of ``groups`` (``(group name, size)``) in backward, in order."""
+    for group_name, _size in reversed(groups):  # the last applied is the first to see the gradient
+        t = AllReduceGrad.apply(t, group_name)
+    return t
