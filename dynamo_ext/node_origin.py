@@ -19,11 +19,20 @@ __all__ = ["group_name", "stack_frames", "user_frame"]
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 _PKG_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 _FRAME = re.compile(r'^\s*File "([^"]+)", line (\d+), in (\S+)\n(.*)$', re.M)
+# FX names the code it generates ``<eval_with_key>.N``, N counting the graph modules made so far in the process.
+_GENERATED = re.compile(r"^(<eval_with_key>)\.\d+$")
 
 
 def stack_frames(stack_trace: str | None) -> list[tuple[str, int, str, str]]:
-    """``(file, line, function, source)`` of each frame of an FX ``meta["stack_trace"]``, outermost first."""
-    return [(f, int(n), fn, src.strip()) for f, n, fn, src in _FRAME.findall(stack_trace or "")]
+    """``(file, line, function, source)`` of each frame of an FX ``meta["stack_trace"]``, outermost first.
+
+    NOTE [generated code has no per-process number]: a frame in code FX generated (a graph module Dynamo traced:
+    a compiled-autograd backward, a split graph's submodule) is filed under ``<eval_with_key>``, without the
+    ``.N`` FX appends.  N counts the graph modules made so far in each process, so a rank that compiled one more
+    graph (a recompile for its own batch size) would name the same line otherwise, and the collective check would
+    compare ranks' lines unequal.
+    """
+    return [(_GENERATED.sub(r"\1", f), int(n), fn, src.strip()) for f, n, fn, src in _FRAME.findall(stack_trace or "")]
 
 
 def _is_torch(path: str) -> bool:

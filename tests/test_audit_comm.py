@@ -29,6 +29,27 @@ def test_ring_traffic_per_rank():
     assert traffic_bytes("all_reduce", 400, 1) == (0, 0)
 
 
+def test_generated_code_is_named_without_its_per_process_number():
+    """NOTE [generated code has no per-process number]: two ranks whose FX made a different number of graph modules
+    name the same generated line alike."""
+    from dynamo_ext.node_origin import stack_frames
+
+    trace = (
+        '  File "<eval_with_key>.{}", line 7, in forward\n    all_reduce = torch.ops._c10d_functional.all_reduce(x)\n'
+    )
+    assert (
+        user_frame(trace.format(12))
+        == user_frame(trace.format(3))
+        == (
+            "<eval_with_key>",
+            7,
+            "forward",
+            "all_reduce = torch.ops._c10d_functional.all_reduce(x)",
+        )
+    )
+    assert stack_frames('  File "<eval_with_key>.12x", line 1, in f\n    y\n')[0][0] == "<eval_with_key>.12x"
+
+
 def test_user_frame_skips_torch_and_plugin_frames():
     import os
 
