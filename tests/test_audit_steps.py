@@ -105,6 +105,9 @@ def test_each_eager_step_starts_from_its_compiled_steps_state_and_tolerances_app
     result = check(trained, None, None)
     # Step 3 starts from the compiled step 2's state in both runs: only step 2 differs (loss, 2 grads, 2 params).
     assert {(m["step"], m["kind"]) for m in result["mismatches"]} == {(2, "output"), (2, "grad"), (2, "param")}
+    events = [{"ev": "start"}, {"ev": "numerics", **result}, {"ev": "end", "counters": {}}]
+    first = merge({0: events}, target="t", world_size=1, backend="").numerics.first
+    assert str(first).startswith("step 2: output loss on rank 0: max abs error"), str(first)
     assert result["compared"] == 3 * 5 and result["steps"] == 3 and result["tolerances"] == []
     # The target's tolerance for what it knows differs, by pattern; the first match wins.
     tolerant = _second_step_off({"output:*": (0.02, 0.0), "grad:x": (1.0, 1.0)})
@@ -153,6 +156,16 @@ def test_own_steps_counted_by_the_outermost_optimizer_step():
     assert (own.finished, sink.step) == (2, 3)
     container.step()  # hooks removed: no longer counted
     assert own.finished == 2
+
+
+def test_the_eager_reference_step_of_a_targets_check_step_is_not_one_of_its_steps():
+    from dynamo_ext.audit import check_step
+
+    spec = _trainer()
+    sink = SimpleNamespace(step=None)
+    with OptimizerSteps(sink) as own:
+        check_step(spec)  # eager step, restore, compiled step: one training step of the target
+    assert own.finished == 1 and sink.step == 2
 
 
 def _stepped(event, step):
@@ -210,9 +223,90 @@ def test_graphs_of_later_steps_are_listed_and_left_out_of_the_counts():
     ]
     comm = merge({0: events}, target="t", world_size=1, backend="").comm
     assert comm.counts == comm.eager_counts == (("forward", "all_reduce", 1),) and comm.count_differences == ()
+    # the first step that compiled a graph is the one counted, whichever its number (a target's own loop)
+    shifted = [{**e, "step": e["step"] + 1} if "step" in e and e["ev"] != "end" else e for e in events]
+    later = merge({0: shifted}, target="t", world_size=1, backend="").comm
+    assert later.counts == comm.counts and later.later_steps == (comm.later_steps[0].replace("step 2", "step 3"),)
     assert comm.bytes_per_step == 100
     assert [c.step for c in comm.collectives] == [1, 2, 2]
     assert comm.later_steps == ("step 2: forward graph train.py:8 step | recompile: lr == 0.1: all_reduce 2",)
+
+
+# ---- eager counts: outside any module, outside the root (NOTE [collectives outside any module]) ----------------
+class _Reducing(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        import torch.distributed as dist
+        import torch.distributed._functional_collectives as funcol
+
+        return funcol.all_reduce(self.lin(x), "sum", dist.group.WORLD)
+
+
+class _Root(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.first = _Reducing()
+        self.second = _Reducing()
+        self.head = _Reducing()  # called by the loss, outside the root's forward (torchtitan's chunked loss)
+
+    def forward(self, x):
+        return self.second(self.first(x))
+
+
+def test_eager_count_puts_collectives_after_backward_outside_any_module_and_names_modules_run_outside_the_root():
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+
+    from dynamo_ext.audit.rank.eager_comm import count_eager
+
+    counts = {}
+    with fake_world(4):
+        root = _Root()
+        with count_eager(counts):
+            root.head(root(torch.randn(2, 4))).sum().backward()
+            funcol.all_reduce(torch.ones(1), "sum", dist.group.WORLD)  # after backward: gradient clipping's norm
+    modules = counts["modules"]
+    assert modules["Global"]["forward"]["all_reduce"] == 4
+    assert modules["first"]["forward"]["all_reduce"] == 1, modules["first"]  # not the clipping's all-reduce
+    assert modules["<root>"]["forward"]["all_reduce"] == 2
+    assert counts["outside_root"] == ["head", "head.lin"]
+
+
+def test_count_units_of_a_module_run_outside_the_root_and_an_unexplained_difference_in_words():
+    from dynamo_ext.audit.merge.comm_explain import explain_counts
+    from dynamo_ext.audit.model.comm import Collective
+
+    def coll(module, origin):
+        return Collective(**{**{k: v for k, v in _coll(0, "all_reduce", "all_reduce").items() if k != "node"},
+                             "shape_in": "[4]", "shape_out": "[4]", "group_ranks": (0, 2), "module": module,
+                             "origin": origin, "graph": "g", "graph_kind": "forward", "phase": "forward",
+                             "ranks": (0,), "sent_by_rank": ((0, 100),)})  # fmt: skip
+
+    per = {"forward": {"all_reduce": 1}, "backward": {}}
+    eager = {"Global": {"forward": {"all_reduce": 4}, "backward": {}}, "<root>": {"forward": {"all_reduce": 2}},
+             "first": per, "second": per, "head": per}  # fmt: skip
+    colls = [coll("first", "dtensor"), coll("second", "dtensor")]
+    (d,) = explain_counts({("forward", "all_reduce"): 2}, {("forward", "all_reduce"): 4}, eager, colls, colls, [],
+                          outside_root=frozenset({"head"}))  # fmt: skip
+    # head's collective is in Global's count, not the root's: the root's own is 0, outside any module 1
+    assert (
+        d.reasons
+        == (
+            "head: compiled 0, eager 1: no compiled graph has a collective of it: ran eagerly",
+            "outside any module: compiled 0, eager 1: no compiled graph has a collective of it: ran eagerly",
+        )
+        and d.unexplained == ""
+    ), d
+    (d,) = explain_counts({("forward", "all_reduce"): 2}, {("forward", "all_reduce"): 3},
+                          {**eager, "Global": {"forward": {"all_reduce": 3}}, "second": {"forward": {"all_reduce": 0}},
+                           "<root>": {"forward": {"all_reduce": 1}}},
+                          colls, colls, [], outside_root=frozenset({"head"}))  # fmt: skip
+    assert d.unexplained == (
+        "second: compiled 1, eager 0 (compiled: 0 FSDP2's or explicit, 1 DTensor's; eager: 0 c10d, 0 functional)"
+    ), d
 
 
 # ---- module names by identity (NOTE [module names by identity]) -----------------------------------------------
@@ -339,16 +433,16 @@ def test_audit_trains_a_step_target_three_steps_reports_each_and_checks_them_fro
 
 
 @pytest.mark.gloo
-def test_audit_names_the_step_of_a_tensor_that_differs(tmp_path):
+def test_a_script_whose_step_builds_once_is_told_to_name_its_make_step(tmp_path):
+    """The script form runs ``main()`` (which builds the step), then builds ``make_step()`` again for the check:
+    what torchtitan's trainer cannot do; the error says which TARGET builds it once."""
     from test_audit_e2e import cli
 
-    out = tmp_path / "wrong.json"
-    proc = cli("--nproc", "2", "--quiet", "--check-numerics", "--steps", "2", "--json", str(out),
-               "tests/audit_targets/numerics_wrong.py:make_step")  # fmt: skip
-    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
-    num = json.loads(out.read_text())["numerics"]
-    assert (num["compared"], num["steps"]) == (2 * 10, 2)
-    first = num["mismatches"][0]
-    assert (first["step"], first["kind"], first["name"], first["rank"]) == (1, "grad", "lin.weight", 0), first
-    assert {m["step"] for m in num["mismatches"]} == {1, 2}
-    assert "first: step 1: gradient of lin.weight on rank 0: max abs error" in proc.stderr
+    target = "tests/audit_targets/schedule_step.py"
+    proc = cli("--nproc", "2", "--quiet", "--check-numerics", target)
+    assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "numerics check: RuntimeError: building make_step() again after the target's run failed: " in proc.stderr
+    assert (
+        f"make_step() called twice in one process; this target builds once; to build it once, audit {target}:make_step"
+        in proc.stderr
+    )

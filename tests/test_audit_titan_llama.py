@@ -63,7 +63,13 @@ def test_titan_llama_training_step_audit():
     assert graphs == [(example, "forward_loss", "forward")], graphs
     assert all(g["ranks"] == [0, 1, 2, 3] for g in report["graphs"])
 
-    assert report["numerics"] == {"compared": 43, "ranks": [0, 1, 2, 3], "mismatches": []}, report["numerics"]
+    assert report["numerics"] == {
+        "compared": 43,
+        "ranks": [0, 1, 2, 3],
+        "mismatches": [],
+        "steps": 1,
+        "tolerances": [],
+    }, report["numerics"]
     _check_comm(report["comm"], example)
 
 

@@ -96,11 +96,13 @@ class AuditGate:
         rtol: float | None = None,
         atol: float | None = None,
         comm_budget: int | None = None,
+        steps: int | None = None,
     ) -> AuditReport:
-        """``dynamo-ext audit`` on ``nproc`` ranks (script path or module:function), with the same gate.
+        """``dynamo-ext audit`` on ``nproc`` ranks (script path, module:function or script.py:function), with the
+        same gate.
 
         ``check_numerics``: as ``--check-numerics`` (the target defines ``make_step()``);
-        ``comm_budget``: as ``--comm-budget``.
+        ``comm_budget``: as ``--comm-budget``; ``steps``: as ``--steps`` (a target function returning a step).
         """
         from .launch import run_ranks
 
@@ -114,6 +116,7 @@ class AuditGate:
             check_numerics=check_numerics,
             rtol=rtol,
             atol=atol,
+            steps=steps,
         )
         return self._check(report, max_breaks, max_recompiles, baseline, max_hang_risks, comm_budget)
 

@@ -27,17 +27,18 @@ from ..model.records import Collective, Comm, CountDifference, ModuleComm
 from ..schema import events as ev
 
 
-def _later(step: int | None) -> bool:
-    """A graph compiled after the first training step: counted in no total (NOTE [steps], :class:`.records.Comm`)."""
-    return step is not None and step > 1
+def _later(step: int | None, first: int | None) -> bool:
+    """A graph compiled after the first training step that compiled one (``first``): counted in no total
+    (NOTE [steps], :class:`.records.Comm`)."""
+    return step is not None and first is not None and step > first
 
 
-def _like_counted(colls: list[Collective]) -> list[Collective]:
+def _like_counted(colls: list[Collective], first: int | None = None) -> list[Collective]:
     """The collectives the like-with-like count takes (NOTE [like-with-like collective counts])."""
     out = []
     fsdp_seen: set[tuple[str, str, str, str]] = set()
     for c in colls:
-        if c.inlined or _later(c.step):
+        if c.inlined or _later(c.step, first):
             continue
         if c.origin == "fsdp" and c.kind != "all_reduce":
             key = (c.graph, c.graph_kind, c.module, c.kind)
@@ -72,6 +73,11 @@ def merge_comm(
         for e in evs
         if isinstance(e, ev.CommGraph) and e.missing
     )
+    # The first training step that compiled a graph: the counts and totals are its (NOTE [steps]).
+    first = min(
+        (e.step for evs in events_by_rank.values() for e in evs if isinstance(e, ev.CommGraph) and e.step is not None),
+        default=None,
+    )
     unknown: list[str] = []
     rows: dict[tuple[str, str, int], dict[str, Any]] = {}
     order: list[tuple[str, str, int]] = []
@@ -90,7 +96,7 @@ def merge_comm(
             seen[(gid, g.graph)] += len(g.collectives)
             for c in g.collectives:
                 key = (gid, g.graph, base + int(c["index"]))
-                if not inlined and not _later(g.step):
+                if not inlined and not _later(g.step, first):
                     per_rank_sent[rank] += int(c["sent"])
                 row = rows.get(key)
                 if row is None:
@@ -144,12 +150,12 @@ def merge_comm(
         )
     modules: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0, 0, 0.0])
     for c in colls:
-        if not c.inlined and not _later(c.step):
+        if not c.inlined and not _later(c.step, first):
             m = modules[(c.module or "-", c.phase)]
             m[0] += 1
             m[1] += c.sent
             m[2] += c.est_ms or 0.0
-    counted = _like_counted(colls)
+    counted = _like_counted(colls, first)
     like = _like_counts(counted)
     eager = _eager_counts(events_by_rank, ref)
     differences: tuple[CountDifference, ...] = ()
@@ -175,20 +181,20 @@ def merge_comm(
         ),
         bytes_per_step=max(per_rank_sent.values(), default=0),
         bytes_by_rank=tuple(sorted(per_rank_sent.items())),
-        est_ms_per_step=round(sum(c.est_ms or 0.0 for c in colls if not c.inlined and not _later(c.step)), 6),
+        est_ms_per_step=round(sum(c.est_ms or 0.0 for c in colls if not c.inlined and not _later(c.step, first)), 6),
         counts=tuple((ph, k, n) for (ph, k), n in sorted(like.items())),
         eager_counts=eager,
         missing=missing + tuple(unknown),
         count_differences=differences,
-        later_steps=_later_lines(colls),
+        later_steps=_later_lines(colls, first),
     )
 
 
-def _later_lines(colls: list[Collective]) -> tuple[str, ...]:
+def _later_lines(colls: list[Collective], first: int | None) -> tuple[str, ...]:
     """One line per graph compiled after the first step: its step, identity, kind and collectives."""
     by: dict[tuple[int, str, str], dict[str, int]] = {}
     for c in colls:
-        if _later(c.step) and not c.inlined:
+        if _later(c.step, first) and not c.inlined:
             kinds = by.setdefault((c.step or 0, c.graph, c.graph_kind), {})
             kinds[c.kind] = kinds.get(c.kind, 0) + 1
     return tuple(

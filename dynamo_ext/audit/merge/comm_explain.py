@@ -124,12 +124,14 @@ def explain_counts(
         tops = _top_levels(set(eager_modules))
         mine: dict[str, int] = defaultdict(int)
         mine_c10d: dict[str, int] = defaultdict(int)  # FSDP2's and explicit ones: c10d ops when eager
+        explicit: dict[str, int] = defaultdict(int)
         graphs: dict[str, set[str]] = defaultdict(set)
         mine_fsdp = [c for c in counted if c.phase == phase and c.kind == kind and c.origin == "fsdp"]
         for c in counted:
             if c.phase == phase and c.kind == kind:
                 mine[_unit(c.module, tops)] += 1
                 mine_c10d[_unit(c.module, tops)] += c.origin in ("fsdp", "explicit")
+                explicit[_unit(c.module, tops)] += c.origin == "explicit"
                 graphs[_unit(c.module, tops)].add(c.graph)
         in_phase = {_unit(c.module, tops) for c in colls if c.phase == phase and not c.inlined}
         theirs = _eager_units(eager_modules, tops, phase, kind, outside_root)
@@ -152,7 +154,8 @@ def explain_counts(
                 reasons.append(f"{where}: the {phase} ran eagerly, its collectives are in no compiled graph")
             elif fsdp_traced and mc != tc and x - mc == y - tc:
                 fsdp_moved = True
-                reasons.append(f"{where}: FSDP2's {kind}s differ (compiled {mc}, eager {tc}), DTensor's agree")
+                whose = "FSDP2's and explicit" if explicit.get(unit) else "FSDP2's"
+                reasons.append(f"{where}: {whose} {kind}s differ (compiled {mc}, eager {tc}), DTensor's agree")
             elif x == 0 and unit not in in_phase:
                 at = f" (graph breaks at {', '.join(breaks[:3])}{', ...' if len(breaks) > 3 else ''})" if breaks else ""
                 also = f", or in a graph of no module ({OUTSIDE})" if hooked else ""
@@ -182,7 +185,8 @@ def explain_counts(
                     "a checkpointed output that later code's backward needs instead of saving it"
                 )
             else:
-                unexplained.append(where)
+                unexplained.append(f"{where} (compiled: {mc} FSDP2's or explicit, {x - mc} DTensor's; eager: {tc} "
+                                   f"c10d, {y - tc} functional)")  # fmt: skip
         if fsdp_moved:
             reasons.append(_fsdp_totals(phase, kind, colls, counted, eager_c10d or {}, tops, units, outside_root))
         out.append(CountDifference(phase, kind, a, b, tuple(reasons), "; ".join(unexplained)))
@@ -220,7 +224,12 @@ def _fsdp_totals(
     def listed(n: dict[str, int]) -> str:
         return f"{sum(n.values())} ({', '.join(f'{u} {n[u]}' for u in units if n.get(u, 0) > 0) or 'none'})"
 
-    text = f"FSDP2's {phase} {kind}s in all: compiled {listed(mine)}, eager {listed(theirs)}"
+    whose = (
+        "FSDP2's and explicit"
+        if any(c.origin == "explicit" for c in counted if c.phase == phase and c.kind == kind)
+        else "FSDP2's"
+    )
+    text = f"{whose} {phase} {kind}s in all: compiled {listed(mine)}, eager {listed(theirs)}"
     if kind == "all_gather" and phase == "backward":
         gathered = {_unit(c.module, tops) for c in colls if c.origin == "fsdp" and c.kind == kind and not c.inlined}
         again = {_unit(c.module, tops) for c in colls if c.origin == "fsdp" and c.kind == kind and c.phase == phase}

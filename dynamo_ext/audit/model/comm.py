@@ -119,9 +119,9 @@ class Comm:
     the two differ, and why (:class:`CountDifference`).  ``missing``: graphs
     with collectives that were not analysed (the report and its totals are
     incomplete; ``--comm-budget`` then fails).  When the steps are known (NOTE [steps]), the totals and
-    counts are the first step's: graphs compiled in a later step (a recompile) replace or add to the first
-    step's, so they are listed in ``later_steps`` (one line per graph: its step, identity and collectives)
-    and counted in no total.
+    counts are those of the first step that compiled a graph: graphs compiled in a later step (a recompile)
+    replace or add to its graphs, so they are listed in ``later_steps`` (one line per graph: its step,
+    identity and collectives) and counted in no total.
     """
 
     collectives: tuple[Collective, ...]

@@ -13,11 +13,13 @@ with no arguments after the default group is initialized here (gloo on CPU,
 NCCL when CUDA is there).
 
 Each rank writes ``DIR/rank<R>.jsonl`` (NOTE [rank file]) as events happen, so a
-rank that dies leaves what it saw.  With ``--check-numerics``, after the
-audited run (and outside the collection), the target's ``make_step()`` is
-checked compiled against eager (:mod:`.numerics`) and the result is one
-``numerics`` event; a target whose run called ``check_step`` itself has those
-results reported instead (NOTE [the target's own check]).  ``dynamo-ext audit merge DIR`` (:mod:`..merge.rank_files`) reads
+rank that dies leaves what it saw.  A function TARGET that returns a step is
+trained ``--steps`` steps by the audit (NOTE [the audit drives the step] in
+:mod:`.steps`).  With ``--check-numerics``, after the audited run (and outside
+the collection), those steps are run eagerly from their saved states; else the
+target's ``make_step()`` is checked compiled against eager (:mod:`.numerics`);
+the result is one ``numerics`` event.  A target whose run called ``check_step``
+itself has those results reported instead (NOTE [the target's own check]).  ``dynamo-ext audit merge DIR`` (:mod:`..merge.rank_files`) reads
 the directory back.
 
 NOTE [rank file]
@@ -272,8 +274,15 @@ def _check_numerics(
     eager_comm: dict[str, Any] = {}
 
     def run() -> dict[str, Any]:
+        try:
+            built = make_step()
+        except Exception as e:  # a trainer that cannot be built twice in one process (torchtitan's fully_shard)
+            raise RuntimeError(
+                f"building make_step() again after the target's run failed: {type(e).__name__}: {e}; to build it "
+                f"once, audit {target.partition(':')[0]}:make_step (the audit then trains the step itself)"
+            ) from e
         # The eager step's collectives, counted by CommDebugMode, check the communication report's counts.
-        spec, counts = eager_counted_step(as_step(make_step()))
+        spec, counts = eager_counted_step(as_step(built))
         result = check_step(spec, rtol=rtol, atol=atol)
         eager_comm.update(counts)
         return result

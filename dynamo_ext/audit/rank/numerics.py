@@ -302,12 +302,32 @@ def combine(results: list[dict[str, Any]]) -> dict[str, Any]:
     return {"compared": compared, "mismatches": mismatches, "eager_comm": results[0]["eager_comm"] if results else {}}
 
 
+_ASIDE = [0]
+
+
+@contextlib.contextmanager
+def aside() -> Iterator[None]:
+    """Within the block, optimizer steps are the check's own (an eager reference step, a state saved), not the
+    target's training steps (:class:`.steps.OptimizerSteps` does not count them)."""
+    _ASIDE[0] += 1
+    try:
+        yield
+    finally:
+        _ASIDE[0] -= 1
+
+
+def is_aside() -> bool:
+    """Whether an :func:`aside` block is open."""
+    return _ASIDE[0] > 0
+
+
 def _check(spec: Step, rtol: float | None, atol: float | None) -> dict[str, Any]:
     from . import state
 
-    saved = state.save(spec.model, spec.optimizer, spec.lr_scheduler)
-    eager = run_step(spec, compiled=False)
-    state.restore(saved, spec.model, spec.optimizer, spec.lr_scheduler)
+    with aside():  # the target's training step is the compiled one
+        saved = state.save(spec.model, spec.optimizer, spec.lr_scheduler)
+        eager = run_step(spec, compiled=False)
+        state.restore(saved, spec.model, spec.optimizer, spec.lr_scheduler)
     compiled = run_step(spec, compiled=True)
     assert eager is not None and compiled is not None
     return compare_runs([eager], [compiled], rtol, atol, tolerances=spec.tolerances)

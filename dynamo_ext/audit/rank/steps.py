@@ -23,7 +23,7 @@ parameters, buffers and optimizer state per step.
 A target that runs its own loop (a script, a ``module:function`` that returns nothing) is not driven: its
 steps are counted by its optimizer (:class:`OptimizerSteps`): the first outermost ``optimizer.step()`` ends
 step 1 (a container optimizer whose ``step()`` steps others, as torchtitan's ``OptimizersContainer``, counts
-once).
+once; the eager reference step of a ``check_step`` the target calls does not count).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ import logging
 from typing import Any
 
 from . import state
-from .numerics import Run, Step, compare_runs, run_step
+from .numerics import Run, Step, compare_runs, is_aside, run_step
 
 log = logging.getLogger(__name__)
 
@@ -121,9 +121,12 @@ class OptimizerSteps:
         return self
 
     def _pre(self, *_: Any) -> None:
-        self._depth += 1
+        if not is_aside():  # check_step's eager reference step is not one of the target's
+            self._depth += 1
 
     def _post(self, *_: Any) -> None:
+        if is_aside():
+            return
         self._depth = max(self._depth - 1, 0)
         if self._depth == 0:
             self.finished += 1

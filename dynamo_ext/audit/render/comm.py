@@ -91,10 +91,15 @@ def counts_line(comm: Comm) -> tuple[str, bool | None]:
         lines.append(f"  {d.phase} {d.kind}: compiled {d.compiled}, eager {d.eager}")
         lines += [f"    {r}" for r in d.reasons]
         if d.unexplained:
-            lines.append(f"    unexplained: {d.unexplained}")
+            lines.append(f"    unexplained: {d.unexplained}: {UNEXPLAINED}")
     return "\n".join(lines), ok
 
 
+UNEXPLAINED = (
+    "the compiled step issues other collectives here than the eager step; the collectives table above (line, origin, "
+    "placements) and CommDebugMode on the eager step (torch.distributed.tensor.debug) show which, and "
+    "--check-numerics whether the values still agree"
+)
 LATER_STEPS = (
     "Graphs compiled after the first step (recompiles; listed above, not in the totals or counts, which are the first "
     "step's):"
