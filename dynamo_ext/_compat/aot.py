@@ -8,6 +8,19 @@ from typing import Any
 
 from .probes import optional_attr
 
+__all__ = [
+    "aot_autograd_backend_class",
+    "aot_autograd_cache_off",
+    "aot_backend_module",
+    "aot_process_inputs",
+    "aot_unwraps_async_collective_inputs",
+    "checkpoint_tags_nested_ops",
+    "default_partition",
+    "is_opaque_fx_node",
+    "partitioners_module",
+    "serializable_compiler",
+]
+
 
 def aot_backend_module() -> Any:
     """``torch._dynamo.backends.common``: AOTAutograd backends call ``aot_module_simplified`` through its globals."""

@@ -11,6 +11,22 @@ import torch
 from .dynamo import current_compile_id
 from .probes import optional_attr
 
+__all__ = [
+    "compiled_autograd",
+    "compiled_autograd_accumulate_grad_with_grad_arg",
+    "compiled_autograd_enabled",
+    "compiled_autograd_hooks",
+    "compiled_autograd_module",
+    "compiled_by_dynamo",
+    "compiling_compiled_autograd_graph",
+    "in_autograd_backward",
+    "in_compiled_autograd_region",
+    "is_aot_backward_prologue",
+    "kept_node_meta_fields",
+    "retraced_from",
+    "tensor_hooks",
+]
+
 
 def in_autograd_backward() -> bool:
     """Whether an autograd node is running now (``torch._C._current_autograd_node``)."""

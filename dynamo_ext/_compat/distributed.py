@@ -15,6 +15,27 @@ import torch._guards
 
 from .probes import optional_attr
 
+__all__ = [
+    "allowing_non_fake_inputs",
+    "async_collective_tensor_type",
+    "backend_swapped",
+    "ddp_first_bucket_bytes",
+    "ddp_submod_compiler",
+    "default_store",
+    "distributed_initialized",
+    "global_rank",
+    "group_is_fake",
+    "group_ranks",
+    "group_sequence_number",
+    "has_functional_collectives",
+    "has_functional_op",
+    "object_collective_device",
+    "prefix_store",
+    "reset_submod_compiler_state",
+    "saved_tensors_hooks_off_during_tracing",
+    "tcp_store",
+]
+
 if TYPE_CHECKING:
     from torch._C._distributed_c10d import Store
 

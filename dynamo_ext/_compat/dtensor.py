@@ -8,6 +8,24 @@ from typing import Any
 
 from .probes import optional_attr
 
+__all__ = [
+    "dtensor_around",
+    "dtensor_new_empty_strided_drops_uneven_shard",
+    "dtensor_rejects_mixed_partials",
+    "dtensor_spec_key",
+    "dtensor_spec_shard_order",
+    "dtensor_strided_shard_shape_materializes_offsets",
+    "dtensor_to_local_codes",
+    "implicit_replication",
+    "is_device_mesh",
+    "is_placement",
+    "local_tensor_of",
+    "mesh_group_names",
+    "mesh_state_for_cache_key",
+    "root_mesh",
+    "strided_shard_type",
+]
+
 
 def root_mesh(mesh: Any) -> Any:
     """The root ``DeviceMesh`` a submesh was sliced from (``DeviceMesh._get_root_mesh``), else ``mesh``."""

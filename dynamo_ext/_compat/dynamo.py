@@ -1,4 +1,4 @@
-"""Dynamo: graph breaks, variable trackers, builders, sources, guards, frames, the compile lock, precompile packages.
+"""Dynamo: graph breaks, variable trackers, builders, sources, guards, frames, the compile lock.
 
 The trackers and builders are re-exported as they are: their names and
 constructors are the same on torch 2.11 to 2.15.  Importing this module
@@ -8,13 +8,9 @@ imports ``torch._dynamo`` (our trackers subclass its classes at import).
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import gc
 import importlib
 import inspect
-import sys
 import threading
-import types
 from typing import Any
 
 import torch
@@ -27,6 +23,48 @@ from torch._dynamo.variables import builder as _builder
 
 from .probes import optional_attr
 from .tracing import invoke_subgraph_op
+
+__all__ = [
+    "AttrSource",
+    "ConstantVariable",
+    "ContextWrappingVariable",
+    "GetAttrVariable",
+    "GlobalSource",
+    "GuardBuilder",
+    "SourcelessBuilder",
+    "TupleVariable",
+    "Unsupported",
+    "VariableBuilder",
+    "VariableTracker",
+    "apply_graph_deduplication",
+    "backward_hook_variable_class",
+    "compile_lock",
+    "current_compile_id",
+    "current_tx",
+    "dynamo_convert_frame",
+    "dynamo_counters",
+    "empty_dict_guard",
+    "fresh_compile_kwargs",
+    "get_fake_value",
+    "global_state_source",
+    "graph_region_tracker_class",
+    "guard_fail_reason_owner",
+    "inside_higher_order_op",
+    "install_guard",
+    "is_compiling_context",
+    "lambda_guard",
+    "output_graph_class",
+    "raise_observed_exception",
+    "root_lambda_guard",
+    "skip_frames_of",
+    "source_name",
+    "subgraph_tracer_class",
+    "tracker_getattr",
+    "unimplemented",
+    "user_function_variable",
+    "wrap_fx_proxy",
+    "wrap_inline",
+]
 
 # Trackers, builders, sources and guard helpers: same names and constructors on 2.11 to 2.15.
 unimplemented = _exc.unimplemented
@@ -216,148 +254,6 @@ def current_compile_id() -> Any:
 def output_graph_class() -> type:
     """``torch._dynamo.output_graph.OutputGraph``: its ``call_user_compiler`` hands a Dynamo graph to the backend."""
     return importlib.import_module("torch._dynamo.output_graph").OutputGraph
-
-
-def precompile_cache_classes() -> tuple[type, type] | None:
-    """``(OutputGraph, CheckFunctionManager)`` where Dynamo has its precompile cache; else None.
-
-    Probes ``torch._dynamo.config.caching_precompile`` (``TORCH_CACHING_PRECOMPILE=1``: a frame's guards and
-    graphs saved by ``torch.compiler.save_cache_artifacts()`` and loaded by a restarted job) and
-    ``OutputGraph.bypass_package`` (leave the frame being compiled out of the package), and
-    ``CheckFunctionManager``'s ``output_graph`` and ``save_guards`` parameters.  All are on 2.13.
-    """
-    if not hasattr(torch._dynamo.config, "caching_precompile"):
-        return None
-    output_graph = output_graph_class()
-    if not callable(getattr(output_graph, "bypass_package", None)):
-        return None
-    manager = _guards.CheckFunctionManager
-    if not {"output_graph", "save_guards"} <= set(inspect.signature(manager.__init__).parameters):
-        return None
-    return output_graph, manager
-
-
-class PrecompilePackages:
-    """Dynamo's precompile packages (``torch._dynamo.package``): the frames a loaded package brings in.
-
-    A package is what ``torch.compiler.save_cache_artifacts()`` writes with ``caching_precompile`` on, one per
-    compiled function: per code object (the function's own first, then its resume functions and user functions
-    Dynamo compiled on their own) a ``_DynamoCodeCacheEntry`` with the saved guards and bytecode
-    (``guarded_codes``), the backends they call and a ``bypassed`` flag that makes ``CompilePackage.install``
-    leave the code to be traced again.  ``CompilePackage.initialize(fn, dynamo)`` turns a loaded
-    ``_DynamoCacheEntry`` into the package's frames (``torch.compile()`` with ``caching_precompile``,
-    ``DynamoCache.load_and_install_package``, ``DynamoStore.load_package``); ``install`` then loads them onto
-    the code objects as precompile entries, which the C frame evaluator runs before it asks Dynamo.
-    """
-
-    def __init__(self, package_class: type) -> None:
-        self.package_class = package_class
-        """``CompilePackage``."""
-
-    @staticmethod
-    def error(message: str) -> Exception:
-        """Dynamo's ``PackageError`` (what ``strict_precompile`` raises for a frame left out of a package)."""
-        return _exc.PackageError(message)
-
-    @staticmethod
-    def codes(package: Any) -> dict[types.CodeType, Any]:
-        """A package's code objects and their entries (its ``_codes``, the dict itself); empty before
-        ``initialize``."""
-        return package._codes
-
-    @staticmethod
-    def runs_saved_frames(entry: Any) -> bool:
-        """Whether ``CompilePackage.install`` loads ``entry``'s saved guards and bytecode onto its code object."""
-        return bool(entry.guarded_codes) and not entry.bypassed
-
-    @staticmethod
-    def bypassed(entry: Any) -> Any:
-        """A copy of ``entry`` that ``install`` leaves to be traced again: bypassed, without its saved frames
-        and their backends (as 2.15's ``initialize`` loads a bypassed entry), its other lists and dicts copied
-        so the caller's entry (a store may hand out its own) is not changed by later compiles."""
-        changes: dict[str, Any] = {"bypassed": True, "guarded_codes": [], "backend_ids": []}
-        for f in dataclasses.fields(entry):
-            value = getattr(entry, f.name)
-            if f.name not in changes and isinstance(value, list | dict):
-                changes[f.name] = type(value)(value)
-        return dataclasses.replace(entry, **changes)
-
-    @staticmethod
-    def with_codes(dynamo: Any, codes: list[Any]) -> Any:
-        """A copy of a loaded ``_DynamoCacheEntry`` with ``codes`` in place of its code entries."""
-        return dataclasses.replace(dynamo, codes=codes)
-
-    @staticmethod
-    def loaded_entries(code: types.CodeType) -> int:
-        """How many precompile entries (saved frames ``install`` loaded) ``code`` holds now."""
-        from torch._C._dynamo.eval_frame import _debug_get_precompile_entries
-
-        return len(_debug_get_precompile_entries(code))
-
-    def unload(self, package: Any) -> None:
-        """Unload what ``package.install`` loaded: its globals (backends, resume functions), the precompile
-        entries of every code object it holds (``uninstall`` resets only the function's own), and the
-        builtins-dict global each saved frame's guards read, which ``install`` sets in the module itself (left
-        there, it is the name a process that never compiled takes first: on 2.13 a trace of the function then
-        fails, "Name '__builtins_dict___0' already exists in scope")."""
-        from torch._C._dynamo.eval_frame import _reset_precompile_entries
-        from torch._dynamo.output_graph import get_builtins_dict
-        from torch._dynamo.package import load_guards_state
-
-        package.uninstall()
-        for code, entry in self.codes(package).items():
-            _reset_precompile_entries(code)
-            module = sys.modules.get(entry.python_module)
-            if module is None or entry.bypassed:
-                continue
-            scope = module.__dict__
-            for guarded in entry.guarded_codes:
-                name = load_guards_state(guarded.guards_state).output_graph.name_of_builtins_dict_key_in_fglobals
-                if name and scope.get(name) is get_builtins_dict(scope):
-                    del scope[name]
-
-    def live(self) -> list[Any]:
-        """The packages alive in this process (each compiled function's, held by its ``torch.compile``
-        wrapper).  A heap type's instances refer to their class, so this scans the objects that refer to it
-        (about 50 ms in a process that imported torch), not every object."""
-        return [o for o in gc.get_referrers(self.package_class) if issubclass(type(o), self.package_class)]
-
-    @staticmethod
-    def used() -> bool:
-        """Whether this process may hold packages: ``caching_precompile`` is on, or a backend artifact was
-        recorded (each package compiled or loaded records its backends in ``PrecompileContext``)."""
-        if getattr(torch._dynamo.config, "caching_precompile", False):
-            return True
-        context = optional_attr("torch._dynamo.precompile_context", "PrecompileContext")
-        return bool(getattr(context, "_backend_artifacts_by_key", None))
-
-
-def precompile_packages() -> PrecompilePackages | None:
-    """:class:`PrecompilePackages` where a loaded package's frames can be read and dropped; else None.
-
-    Probes ``CompilePackage.initialize(fn, dynamo, ...)`` and ``uninstall``, the entry's ``guarded_codes``,
-    ``backend_ids`` and ``bypassed`` dataclass fields, ``load_guards_state`` and ``get_builtins_dict`` (a saved
-    frame's guards and the builtins dict they read), and the frame evaluator's ``_debug_get_precompile_entries``
-    and ``_reset_precompile_entries``.  All are on 2.13 and 2.15.
-    """
-    package = optional_attr("torch._dynamo.package", "CompilePackage")
-    entry = optional_attr("torch._dynamo.package", "_DynamoCodeCacheEntry")
-    if package is None or entry is None or not dataclasses.is_dataclass(entry):
-        return None
-    if not {"guarded_codes", "backend_ids", "bypassed"} <= {f.name for f in dataclasses.fields(entry)}:
-        return None
-    initialize = getattr(package, "initialize", None)
-    if not callable(initialize) or "dynamo" not in inspect.signature(initialize).parameters:
-        return None
-    needed = [
-        ("torch._dynamo.package", "load_guards_state"),
-        ("torch._dynamo.output_graph", "get_builtins_dict"),
-        ("torch._C._dynamo.eval_frame", "_debug_get_precompile_entries"),
-        ("torch._C._dynamo.eval_frame", "_reset_precompile_entries"),
-    ]
-    if not callable(getattr(package, "uninstall", None)) or any(optional_attr(m, n) is None for m, n in needed):
-        return None
-    return PrecompilePackages(package)
 
 
 def subgraph_tracer_class() -> type:

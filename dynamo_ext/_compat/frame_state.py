@@ -20,6 +20,33 @@ from torch._dynamo import source as _source
 from torch._dynamo import variables as _variables
 from torch._dynamo.variables import builder as _builder
 
+__all__ = [
+    "Source",
+    "block_trace_supported",
+    "build_variable",
+    "container_item_base",
+    "duplicate_log",
+    "frame_registrations",
+    "global_trace_state",
+    "hashable_key",
+    "install_block_trace",
+    "install_guard_quietly",
+    "is_new_object",
+    "make_dupe_guard",
+    "mutated_sources",
+    "mutation_log",
+    "opaque_guard_values",
+    "pending_attrs",
+    "rename_node",
+    "renamed_guard",
+    "script_object_type",
+    "source_kind",
+    "source_value",
+    "tensor_name_set",
+    "tracks_nodes_for_deduplication",
+    "variable_kind",
+]
+
 Source = torch._guards.Source
 
 

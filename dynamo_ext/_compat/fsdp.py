@@ -10,6 +10,21 @@ import torch
 
 from .probes import optional_attr
 
+__all__ = [
+    "fsdp_ddp_mesh_info",
+    "fsdp_gradient_divide_factors",
+    "fsdp_group_hook_codes",
+    "fsdp_idle_training_state",
+    "fsdp_module_class",
+    "fsdp_param_group_class",
+    "fsdp_param_groups",
+    "fsdp_param_module_fqn",
+    "fsdp_single_param_group",
+    "fsdp_spmd_types_reductions",
+    "fsdp_state_class",
+    "fsdp_unsharded_spec",
+]
+
 _FSDP = "torch.distributed.fsdp._fully_shard"
 
 

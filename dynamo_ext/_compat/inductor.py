@@ -12,6 +12,23 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
+__all__ = [
+    "collective_kernel_cls",
+    "comm_buffer_api",
+    "compile_fx_module",
+    "custom_graph_pass_base",
+    "estimate_collective_ms",
+    "has_triton",
+    "hash_for_files",
+    "inductor_config",
+    "ir_module",
+    "lowering_table",
+    "make_lowering",
+    "ops_handler",
+    "preserve_node_ordering",
+    "simple_overlap_enabled",
+]
+
 
 def inductor_config() -> Any:
     """``torch._inductor.config`` (imported on first use, never at package import)."""

@@ -7,6 +7,13 @@ from typing import Any
 
 import torch
 
+__all__ = [
+    "emit_structured_artifact",
+    "frame_being_compiled",
+    "graph_break_being_logged",
+    "graph_module_being_logged",
+]
+
 # Dynamo methods that log a graph break with the exception in a local named ``exc``
 # (torch 2.11-2.15: ``InstructionTranslatorBase.log_graph_break``); on 2.13 the
 # data-dependent-branch path (``jump_graph_break``) calls it outside any ``except``.

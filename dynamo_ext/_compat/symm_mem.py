@@ -8,6 +8,19 @@ from typing import Any
 
 import torch
 
+__all__ = [
+    "ensure_symm_mem_for_group",
+    "forget_symm_mem_groups",
+    "is_symm_mem_enabled_for_group",
+    "is_symm_mem_tensor",
+    "symm_mem_module",
+    "symm_mem_registered",
+    "symm_mem_rendezvous",
+    "symm_mem_route",
+    "symm_mem_state_key",
+    "symm_mem_test_mode",
+]
+
 
 def symm_mem_module() -> Any:
     """``torch.distributed._symmetric_memory`` or None where this build lacks it."""

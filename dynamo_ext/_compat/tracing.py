@@ -13,6 +13,40 @@ import torch._guards
 
 from .probes import optional_attr
 
+__all__ = [
+    "aten_op",
+    "boxed_codegen",
+    "destroy_library",
+    "detect_fake_mode",
+    "evaluate_guard",
+    "fake_mode_of",
+    "fake_tensor",
+    "free_unbacked_symbols",
+    "global_state_functions",
+    "has_fake_tensor",
+    "holds_at_hints",
+    "invoke_subgraph_op",
+    "is_float_symbol",
+    "is_higher_order_op",
+    "is_traceable_subclass",
+    "lazy_graph_module",
+    "name_generated_code",
+    "no_duck_shapes",
+    "no_tracing_context",
+    "op_schema",
+    "own_tracing_context",
+    "proxy_tensor_module",
+    "refake",
+    "reparametrize_module",
+    "shape_env_facts",
+    "storage_of",
+    "symbolic_fake_mode",
+    "tensorify_leaving_alone",
+    "to_fake",
+    "torch_dispatch_mode_base",
+    "tracing_context",
+]
+
 
 def symbolic_fake_mode() -> Any:
     """A ``FakeTensorMode`` with its own ``ShapeEnv`` (symbolic sizes), as AOTAutograd builds one.
