@@ -1,16 +1,20 @@
 """A float Dynamo makes dynamic stays dynamic when the graph is cut at its blocks (NOTE [dynamic floats in the
-block split]).
+block split]) and when blocks are stamped (NOTE [a stamp keeps Dynamo's automatic dynamic]).
 
 A float read in every block that changes each step (a module-level scale, a block's attribute, a float argument)
-makes stock Dynamo recompile once and then treat the float as an input (automatic dynamic).  The plugin, whose
-backend entry cuts that graph at its blocks, must compile as many graphs as stock for the same program and give
-eager's values; before the fix, the split pinned each value (a guard ``G['GAIN'] == 2.0``): 7 graphs in 6 steps.
+makes stock Dynamo recompile once and then treat the float as an input (automatic dynamic); an int attribute too
+with ``allow_unspec_int_on_nn_module``.  The plugin, whose backend entry cuts that graph at its blocks and whose
+trace stamps blocks 1.. from block 0's, must compile as many graphs as stock for the same program and give
+eager's values; before the fixes, the split pinned each value (a guard ``G['GAIN'] == 2.0``): 7 graphs in 6
+steps, and a stamped block's changed attribute was pinned again by the recompile (3 graphs where stock has 2).
 """
 
 from __future__ import annotations
 
 import logging
 import sys
+
+import contextlib
 
 import pytest
 import torch
@@ -19,6 +23,7 @@ from torch._dynamo.utils import counters
 
 import dynamo_ext
 from dynamo_ext.blocks import split as block_split
+from dynamo_ext.blocks import trace_once
 
 GAIN = 1.0
 STEPS = 6
@@ -29,9 +34,10 @@ class Block(torch.nn.Module):
         super().__init__()
         self.lin = torch.nn.Linear(8, 8)
         self.scale = 1.0
+        self.n = 1
 
     def forward(self, h: torch.Tensor, s: float) -> torch.Tensor:
-        return torch.tanh(self.lin(h)) * GAIN * self.scale * s + h
+        return torch.tanh(self.lin(h)) * GAIN * self.scale * s * self.n + h
 
 
 class Net(torch.nn.Module):
@@ -51,14 +57,25 @@ class Net(torch.nn.Module):
 
 
 def _set(net: Net, changing: str, step: int, monkeypatch: pytest.MonkeyPatch) -> float:
-    """Change ``changing`` for ``step``; the float argument of the call."""
+    """Change ``changing`` for ``step``; the scalar argument of the call."""
     value = 1.0 + 0.5 * step
     if changing == "global":
         monkeypatch.setattr(sys.modules[__name__], "GAIN", value)
     elif changing == "attribute":
         for layer in net.layers:
             layer.scale = value
-    return value if changing == "argument" else 0.5
+    elif changing == "one block's attribute":
+        net.layers[1].scale = value
+    elif changing == "int attribute":
+        for layer in net.layers:
+            layer.n = 1 + step
+    return {"argument": value, "int argument": 2 + step}.get(changing, 0.5)
+
+
+def _config(changing: str) -> contextlib.AbstractContextManager:
+    # Dynamo specializes a module's int attributes unless told otherwise: then each value is a recompile, in
+    # stock as with the plugin; with this it makes a changed one dynamic, as a float.
+    return torch._dynamo.config.patch(allow_unspec_int_on_nn_module=changing == "int attribute")
 
 
 def _steps(changing: str, monkeypatch: pytest.MonkeyPatch, *, plugin: bool) -> tuple[int, int, list[torch.Tensor]]:
@@ -94,34 +111,30 @@ def _steps(changing: str, monkeypatch: pytest.MonkeyPatch, *, plugin: bool) -> t
     return backend.frame_count, counters["stats"]["unique_graphs"], values
 
 
-_STAMPED_ATTRIBUTE = pytest.mark.xfail(
-    strict=True,
-    reason="stamping pins the changed attribute of a stamped block (a guard `layers[2].scale == 2.0` at the call): "
-    "3 graphs where stock has 2, with the split off too (dynamo_ext/blocks/trace_*.py, issue 37 item 3)",
-)
-
-
+@pytest.mark.parametrize("trace_blocks_once", [False, True], ids=["traced", "stamped"])
 @pytest.mark.parametrize(
-    ("changing", "trace_blocks_once"),
-    [
-        ("global", False),
-        ("global", True),
-        ("attribute", False),
-        pytest.param("attribute", True, marks=_STAMPED_ATTRIBUTE),
-        ("argument", False),
-        ("argument", True),
-    ],
+    "changing", ["global", "attribute", "one block's attribute", "int attribute", "argument", "int argument"]
 )
-def test_a_changing_float_compiles_as_often_as_stock(monkeypatch, caplog, changing, trace_blocks_once):
-    """``trace_blocks_once`` off: every block traced, the split alone; on (the default): blocks stamped too."""
-    stock_graphs, stock_unique, stock_values = _steps(changing, monkeypatch, plugin=False)
-    assert stock_graphs < STEPS, "the float must go dynamic in stock for this test to mean anything"
+@pytest.mark.parametrize("compile_blocks_once", [False, True], ids=["whole", "split"])
+def test_a_changing_scalar_compiles_as_often_as_stock(
+    monkeypatch, caplog, changing, trace_blocks_once, compile_blocks_once
+):
+    """``trace_blocks_once`` off: every block traced; on (the default): blocks 1.. stamped from block 0's trace
+    (checked), whose automatic-dynamic record must then hold block ``i``'s values as a trace of it would.
+    ``compile_blocks_once`` on (the default): the graph cut at its blocks (checked)."""
+    with _config(changing):
+        stock_graphs, stock_unique, stock_values = _steps(changing, monkeypatch, plugin=False)
+    assert stock_graphs < STEPS, "the scalar must go dynamic in stock for this test to mean anything"
     with (
-        dynamo_ext.config.patch(trace_blocks_once=trace_blocks_once),
+        _config(changing),
+        dynamo_ext.config.patch(trace_blocks_once=trace_blocks_once, compile_blocks_once=compile_blocks_once),
         caplog.at_level(logging.INFO, logger=block_split.__name__),
+        caplog.at_level(logging.DEBUG, logger=trace_once.__name__),
     ):
         graphs, unique, values = _steps(changing, monkeypatch, plugin=True)
-    assert "5 submodules, 3 compiled, 2 running an identical block's compile" in caplog.text  # the split ran
+    split = "5 submodules, 3 compiled, 2 running an identical block's compile" in caplog.text
+    assert split == compile_blocks_once
+    assert (" stamped from L['self'].layers." in caplog.text) == trace_blocks_once
     assert (graphs, unique) == (stock_graphs, stock_unique)
     for a, b in zip(values, stock_values, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
@@ -140,7 +153,9 @@ class PinnedBlock(torch.nn.Module):
         return torch.tanh(self.lin(h)) * self.scale + torch.full_like(h, self.scale * 2)
 
 
-def _pinned_steps(*, plugin: bool) -> tuple[int, list[torch.Tensor]]:
+def _pinned_steps(*, plugin: bool, shared: bool = False) -> tuple[int, list[torch.Tensor]]:
+    """Three compiled steps with the blocks' floats changed each step: each block its own value, or (``shared``)
+    one value for all; Dynamo's graphs (restarts included) and the outputs, checked against eager."""
     torch._dynamo.reset()
     torch.manual_seed(0)
     net = torch.nn.Sequential(*(PinnedBlock() for _ in range(3)))
@@ -153,7 +168,7 @@ def _pinned_steps(*, plugin: bool) -> tuple[int, list[torch.Tensor]]:
         outs = []
         for step in range(3):
             for i, block in enumerate(net):
-                block.scale = 1.0 + step + 0.25 * i  # each block its own value
+                block.scale = 1.0 + step + (0.0 if shared else 0.25 * i)
             out = compiled(x)
             torch.testing.assert_close(out, net(x))
             outs.append(out)
@@ -175,3 +190,14 @@ def test_a_compile_that_pinned_its_float_is_not_shared(caplog):
         graphs, _ = _pinned_steps(plugin=True)
     assert graphs == stock_graphs
     assert "3 submodules, 3 compiled, 0 running" in caplog.text
+
+
+def test_a_pinned_float_of_stamped_blocks_compiles_as_often_as_stock():
+    """Blocks stamped from block 0's trace (the default), their float the same in every block and changed each
+    step.  2.15's tensorify pass pins it by restarting Dynamo and keeps the pinned floats' symbols for the next
+    compile, where each block's float must be made dynamic under the same translator as a trace makes it (the
+    frame's root: it records them per code), or the next step restarts once more (before: 6 graphs where stock
+    has 5)."""
+    stock_graphs, _ = _pinned_steps(plugin=False, shared=True)
+    graphs, _ = _pinned_steps(plugin=True, shared=True)
+    assert graphs == stock_graphs

@@ -216,6 +216,38 @@ def test_a_block_with_another_constant_is_traced(world, caplog):
     assert [line.split(" ")[0] for line in _stamped(lines)] == ["L['self'].layers.3"], lines
 
 
+class _IntBlock(_Block):
+    """A block reading an int attribute: Dynamo specializes a module's int (its guard carries a recompile hint)."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__(width)
+        self.n = 2
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) * self.n
+
+
+def test_a_block_reading_an_int_attribute_is_stamped_and_recompiles_as_traced(world, caplog):
+    torch.manual_seed(0)
+    net = _Stack([_IntBlock(8) for _ in range(4)])
+    x = torch.randn(3, 8)
+    assert len(_stamped(_eager_and_compiled(net, x, caplog))) == 2
+
+    def compiles(once: bool) -> list[int]:
+        torch._dynamo.reset()
+        backend = _Counting()
+        counts = []
+        with dynamo_ext.config.patch(trace_blocks_once=once):
+            compiled = torch.compile(net, backend=backend)
+            for n in (2, 3, 4, 2):
+                net.layers[2].n = n
+                torch.testing.assert_close(compiled(x), net(x))
+                counts.append(backend.compiles)
+        return counts
+
+    assert compiles(once=True) == compiles(once=False) == [1, 2, 3, 3]
+
+
 class _InPlaceBlock(_Block):
     """A block mutating its argument in place and returning a view of an activation it made."""
 

@@ -309,7 +309,7 @@ def plan(guards: list[Any], old: list[Any], old_name: str, resolve: Callable[[An
             raise StampError(
                 f"its trace installed a {kind} guard on {_compat.source_name(source)}, a kind not carried over"
             )
-        unknown = set(keywords) - {"key", "attr", "source_b", "value"}
+        unknown = set(keywords) - {"key", "attr", "source_b", "value", "recompile_hint"}  # the hint: a message
         if unknown:
             raise StampError(f"its {kind} guard has arguments {sorted(unknown)}, not carried over")
         try:

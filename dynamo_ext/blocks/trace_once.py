@@ -162,7 +162,8 @@ def _log_aliasing_apart(source: Any, key: tuple[Any, ...], recordings: dict[tupl
 
 def install(patches: Patcher) -> None:
     """Route calls of module-container items through :func:`call` (NOTE [blocks traced once])."""
-    if not _compat.block_trace_supported():
+    if not (_compat.block_trace_supported() and _compat.automatic_dynamic_supported()):
         log.info("blocks traced once: not on this torch release (a Dynamo API it needs is missing)")
         return
     _compat.install_block_trace(patches, call)
+    _compat.install_scalar_log(patches)  # NOTE [a stamp keeps Dynamo's automatic dynamic] in trace_record.py

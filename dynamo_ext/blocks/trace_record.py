@@ -45,6 +45,7 @@ class Recording:
     effects_start: int  # the frame's mutation log when the call began
     effects_end: int
     reused: frozenset[torch.fx.Node]  # nodes whose fake values a stamp reuses (:func:`reused_fake_values`)
+    scalars: tuple[tuple[Any, Any], ...]  # :func:`automatic_dynamic_scalars`
 
 
 def call_key(args: list[Any], kwargs: dict[str, Any]) -> tuple[Any, list[Any]]:
@@ -128,7 +129,7 @@ def record(tx: Any, module_vt: Any, source: Any, args: list[Any], trace: Any, re
     name = _compat.source_name(source)
     path = REDUNDANT.sub(r".\2", _compat.source_name(module_vt.get_nn_module_stack_source()))
     tracked_before = set(output.side_effects.id_to_variable)
-    with _compat.duplicate_log() as dupes:
+    with _compat.duplicate_log() as dupes, _compat.scalar_log() as scalars:
         result = trace()
     recordings[key] = None
     try:
@@ -188,6 +189,7 @@ def record(tx: Any, module_vt: Any, source: Any, args: list[Any], trace: Any, re
         ]
         guards = [g for g in output.guards if g not in guards_before] + rooted_before
         plans = trace_guards.plan(guards, trace_guards.block_sources(source), name, resolve)
+        seen = automatic_dynamic_scalars(tx, scalars, plans, name)
     except StampError as why:
         log.debug("%s traced and not recorded: %s", name, why)
         return result
@@ -211,9 +213,44 @@ def record(tx: Any, module_vt: Any, source: Any, args: list[Any], trace: Any, re
         effects_start=effects_start,
         effects_end=len(effects),
         reused=reused_fake_values(nodes, result_node, [n for n in arg_nodes if n is not None], external, inputs),
+        scalars=seen,
     )
     log.debug("%s traced and recorded for the identical blocks called after it (%d nodes)", name, len(nodes))
     return result
+
+
+def automatic_dynamic_scalars(
+    tx: Any, seen: list[Any], plans: list[trace_guards.GuardPlan], name: str
+) -> tuple[tuple[Any, Any], ...]:
+    """The ints and floats of the block the recorded trace put in Dynamo's automatic-dynamic record: for each, the
+    source of the guard that reads it and what was recorded (``_compat.ScalarSeen``); raises :class:`StampError`
+    for one no carried guard reads, or one recorded under a function inlined in the call (a stamp has no
+    translator of that function to record block ``i``'s under).
+
+    NOTE [a stamp keeps Dynamo's automatic dynamic]: Dynamo remembers, per frame and source name, the last int
+    and float it wrapped (``process_automatic_dynamic``), and traces one that changed since as a symbolic input
+    (automatic dynamic: a float attribute changed each step costs one recompile, then none).  A stamp installs
+    block ``i``'s guards without wrapping its values, so block ``i``'s float was missing from that record: the
+    recompile after it changed pinned it again (``layers[2].scale == 1.5``) and the next change cost a third
+    graph where tracing every block costs two.  So a recording keeps the scalars block ``0``'s trace recorded
+    under its own names, and a stamp records block ``i``'s values under the renamed names as its trace would
+    (``.trace_stamp``); where the record then says Dynamo treats one otherwise than block ``0``'s (block ``i``'s
+    changed since the last compile, block ``0``'s did not, or the reverse) the stamp is refused and block ``i``
+    traced, so each block's value is made dynamic where stock makes it dynamic.  A block whose trace lifted a
+    symbolic value is not recorded (:func:`_input_source`).
+    """
+    guarded = {_compat.source_name(p.guard.originating_source): p.guard.originating_source for p in plans if p.rooted}
+    out: dict[str, tuple[Any, Any]] = {}
+    for s in seen:
+        if not trace_guards.mentions(s.name, name):
+            continue  # an object outside the block: the same for block i, recorded already
+        source = guarded.get(s.name)
+        if source is None:
+            raise StampError(f"its trace recorded {s.name} for automatic dynamic, read by no guard carried over")
+        if _compat.recording_translator(tx, s) is None:
+            raise StampError(f"its trace recorded {s.name} for automatic dynamic under a function it inlined")
+        out[s.name] = (source, s)
+    return tuple(out.values())
 
 
 def reused_fake_values(
@@ -264,13 +301,17 @@ _AUTOGRAD_CALLS = (torch.autograd.grad, torch.autograd.backward)
 
 def _input_source(node: torch.fx.Node) -> Any:
     """The source of a graph input a block call lifted; raises :class:`StampError` for one without (a value
-    Dynamo made) or a symbolic value (its symbol's guards would be another block's)."""
-    source = getattr(node.meta.get("grapharg"), "source", None)
+    Dynamo made) or a symbolic value (its symbol's guards would be another block's), a float Dynamo made dynamic
+    included (lifted as a 0-d tensor, read back by ``item()``)."""
+    grapharg = node.meta.get("grapharg")
+    source = getattr(grapharg, "source", None)
     if source is None:
         raise StampError("it lifted a graph input without a source")
     value = node.meta.get("example_value")
     if not isinstance(value, torch.Tensor) and getattr(value, "real_obj", None) is None:
         raise StampError(f"it lifted {type(value).__name__} graph input {node.name} (a symbolic value)")
+    if _compat.python_scalar_input(grapharg):
+        raise StampError(f"it lifted {_compat.source_name(source)}, a Python number, as a tensor (a symbolic value)")
     return source
 
 

@@ -50,6 +50,7 @@ def stamp(tx: Any, rec: Recording, module_vt: Any, source: Any, args: list[Any])
     _check_state(tx, rec, renaming, resolve)
     paths = _TrackedPaths(tx, resolve, {renaming.source(t) for t in rec.tracked})
     guards = trace_guards.carry(rec.plans, renaming, resolve, paths)
+    _note_scalars(tx, rec, renaming, paths, resolve)
     calls = {renaming.text(k): v for k, v in rec.calls.items()}
     if any(tx.num_calls.get(k, 0) for k in calls):
         raise StampError("a module of the block was called before")
@@ -78,6 +79,26 @@ def stamp(tx: Any, rec: Recording, module_vt: Any, source: Any, args: list[Any])
     if rec.named:
         _compat.tensor_name_set(vt, mark=True)
     return vt
+
+
+def _note_scalars(tx: Any, rec: Recording, renaming: Renaming, paths: Any, resolve: Any) -> None:
+    """Record block ``i``'s ints and floats in Dynamo's automatic-dynamic record as its trace would; refuse where
+    Dynamo would now treat one otherwise than the recorded block's (NOTE [a stamp keeps Dynamo's automatic
+    dynamic] in ``trace_record.py``)."""
+    for source, seen in rec.scalars:
+        renamed = paths(renaming.source(source))
+        name = _compat.source_name(renamed)
+        translator = _compat.recording_translator(tx, seen)  # the one the recorded trace recorded it under
+        if translator is None:
+            raise StampError(f"{name}: the recorded block's translator for automatic dynamic is not the caller's")
+        try:
+            value = resolve(renamed)
+        except Exception as e:
+            raise StampError(f"{name} cannot be read ({type(e).__name__}: {e})") from None
+        noted = _compat.note_scalar(translator, name, value, unspecialized_nn_module=seen.unspecialized_nn_module)
+        if noted != seen.dynamic:
+            now = "dynamic" if noted else "static"
+            raise StampError(f"Dynamo makes {name} {now} (automatic dynamic), the recorded block's was not")
 
 
 def _check_state(tx: Any, rec: Recording, renaming: Renaming, resolve: Any) -> None:
