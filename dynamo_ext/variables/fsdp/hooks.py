@@ -216,15 +216,9 @@ def pre_forward(state: Any, module: Any, args: Any, kwargs: Any) -> Any:
     """
     ctx = state._state_ctx
     if state._is_root:
-        for other in ctx.all_states:
-            other._dynamo_ext_modules_to_run = None
         ctx._dynamo_ext_forward_root = state
         if _IDLE is not None:  # what FSDP2's final backward callback resets (NOTE [FSDP2 passes in traced frames])
             ctx.iter_forward_root = None
-            for other in ctx.all_states:
-                other._training_state = _IDLE
-                for group in _compat.fsdp_param_groups(other):
-                    group._training_state = _IDLE
     elif ctx._dynamo_ext_forward_root is None:
         ctx._dynamo_ext_forward_root = state
     args, kwargs = cast_inputs(state, args, kwargs)
@@ -247,6 +241,13 @@ def post_forward(state: Any, module: Any, input: Any, output: Any) -> Any:
                 output = cast_output(other, output)
                 other._dynamo_ext_modules_to_run = None
         ctx._dynamo_ext_forward_root = None
+        if state._is_root and _IDLE is not None:
+            # what FSDP2's final backward callback resets, at the end of the root's pass: the states are reached
+            # through the root only after the blocks (NOTE [FSDP2 passes in traced frames])
+            for other in ctx.all_states:
+                other._training_state = _IDLE
+                for group in _compat.fsdp_param_groups(other):
+                    group._training_state = _IDLE
     return cast_output(state, output)
 
 

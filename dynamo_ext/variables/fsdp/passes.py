@@ -19,7 +19,7 @@ attributes only they write:
 - ``FSDPStateContext._dynamo_ext_forward_root``: the state whose traced
   pre-forward began the pass (its post-forward finishes the module groups the
   pass left open, as ``_force_complete_incomplete_states`` does); the tree's
-  root begins a new pass on every call, with every group's entry reset;
+  root begins a new pass on every call;
 - ``FSDPState._dynamo_ext_modules_to_run``: the indices (in the state's
   ``_modules``) of a module group's modules still to run in the traced pass,
   ``None`` outside one: indices, so that no module is reached through the
@@ -27,19 +27,27 @@ attributes only they write:
 
 Dynamo replays the writes after the graph and at a graph break, so a pass split
 over frames goes on in the next frame (which reads them, guarded); a pass in one
-frame leaves both as it found them (``None``), and a frame that begins with the
-root's pre-forward writes before it reads, so none of it is guarded there.
+frame leaves both as it found them (``None``: the forward root's post-forward
+sets every entry back), so a frame reads them as ``None`` (a guard that holds
+from step to step).
 
 The one thing of FSDP2's eager bookkeeping a traced pass writes is what
 FSDP2's final backward callback (``_root_post_backward_final_callback``) resets
 at the end of every backward, which a traced backward does not queue: the
-forward root (``None``) and every state's and parameter group's training state
-(IDLE), written when the tree's root begins a traced pass.  Without it an eager
-pass under ``no_grad`` (torchtitan's validator running the chunked loss) leaves
-the ``[norm, lm_head]`` group's training state FORWARD, and the next training
-step's eager ``lm_head`` calls, taking that for a pass already under way,
-register no post-backward hook: ``lm_head``'s gradient would never be
-reduce-scattered (eager FSDP2's final callback reduces it).
+forward root (``None``, when the tree's root begins a traced pass) and every
+state's and parameter group's training state (IDLE, when the tree's root ends
+its traced pass).  Without it an eager pass under ``no_grad`` (torchtitan's
+validator running the chunked loss) leaves the ``[norm, lm_head]`` group's
+training state FORWARD, and the next training step's eager ``lm_head`` calls,
+taking that for a pass already under way, register no post-backward hook:
+``lm_head``'s gradient would never be reduce-scattered (eager FSDP2's final
+callback reduces it).  The traced hooks read no training state, so writing them
+at the end of the pass leaves the same values after the frame as writing them
+at its start; at the end, the root reaches the other states (through
+``_state_ctx.all_states``) only after the blocks have met theirs through their
+own modules, which names them by their block: what stamping a block needs
+(NOTE [blocks traced once] in ``dynamo_ext/blocks/trace_once.py``; at the start,
+every block's state was named through the root and no block was stamped).
 
 What the traced hooks do read of FSDP2's own state is whether eager FSDP2 holds
 a module's parameters unsharded (``FSDPParamGroup.is_sharded``, in the settings
