@@ -142,6 +142,9 @@ def test_a_rank_waiting_in_the_check_is_placed_at_its_collective_and_names_the_r
     assert found, line
     position = int(found.group(1))
     assert "resume_in" not in line and "_wait_for_first_positions" not in line, line
+    # rank 1's position is known from its first run of the all-reduce's graph (the check's first in the world)
+    behind = f"rank(s) 1 behind on group '0' (last entered position {position - 1}; rank(s) 0 at {position})"
+    assert line.endswith(f"; {behind}; killed"), line
 
     ranks = {r["rank"]: r for r in data["ranks"]}
     assert ranks[0]["status"] == ranks[1]["status"] == "timeout"

@@ -2,14 +2,19 @@
 
 NOTE [when the stream is checked]
 A compiled graph is checked (:func:`.exchange.agree`) when it runs in a
-*context* this rank has not seen: per process group, the pair (the graph that
-ran last on the group, this graph), each graph named by its digest (its
-collectives with shapes, dtypes and issuing lines, and the data flow between
-them, :func:`graph_digest`).  So a graph is checked at its first run, and again
-whenever it follows another graph than before: a graph agreed once and then
-run on rank 0 only (the others run something else there) is a new context on
-rank 0 and is checked.  A recompile on one rank with the same collectives has
-the same digest, so it is no new context and meets no one.  Per call and per
+*context* this rank has not seen: per process group, the graph that ran last
+on the group (its digest: its collectives with shapes, dtypes and issuing
+lines, and the data flow between them, :func:`graph_digest`) and this graph,
+named by its digest and by its compile.  So a graph is checked at its first
+run, and again whenever it follows another graph than before: a graph agreed
+once and then run on rank 0 only (the others run something else there) is a
+new context on rank 0 and is checked.  Each compile is a context of its own,
+even with a digest seen before: a context's bucket decision was taken against
+the graphs the peers ran then, and after a new compile (``aot_eager`` then
+``inductor``, or after ``torch._dynamo.reset()``) a peer's digest may change
+where this rank's does not (docs/collective_check.md, "When a rank checks").
+A recompile on one rank only is checked there; its peers answer from their
+history (NOTE [answering a peer's check]).  Per call and per
 group of the graph, the check costs a dictionary lookup, the count of the
 group's positions and an append to the rank's history (NOTE [answering a
 peer's check]), plus, per call, the count of calls that numbers those runs;
@@ -65,6 +70,7 @@ bucket first runs.
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -93,6 +99,12 @@ class _Pending:
 _PENDING = _Pending()
 
 
+Context = tuple[str | None, str, int]
+"""(digest of the graph that ran last on a group, this graph's digest, its compile: :data:`_compiles`)."""
+_compiles = itertools.count()
+"""Numbers each compiled graph :func:`checked` wraps (NOTE [when the stream is checked])."""
+
+
 class _State:
     """This process's stream state, for one default store (one ``init_process_group``)."""
 
@@ -101,8 +113,8 @@ class _State:
         self.store = store
         self.last: dict[str, str] = {}
         """group -> digest of the graph that ran last on it."""
-        self.seen: dict[tuple[str | None, str], bool] = {}
-        """(previous digest, digest) -> whether buckets run merged in that context."""
+        self.seen: dict[Context, bool] = {}
+        """(previous digest, digest, compile) -> whether buckets run merged in that context."""
         self.merge: dict[str, bool | _Pending] = {}
         """group -> whether the running graph's buckets on it run merged."""
         self.issued: dict[str, int] = {}
@@ -119,7 +131,7 @@ class _State:
         then); only while positions are tracked."""
         self.calls = 0
         """Calls of checked compiled graphs so far (numbers the history's runs, NOTE [answering a peer's check])."""
-        self.pending: dict[str, tuple[GroupRun, tuple[str | None, str]]] = {}
+        self.pending: dict[str, tuple[GroupRun, Context]] = {}
         """group -> (its run in the running graph, the context) where the bucket decision waits for a peer that
         reaches the group's position only after an earlier collective of the graph (:func:`merge_decision`)."""
 
@@ -179,7 +191,7 @@ def count_merged_away(group: str, count: int) -> None:
     _state.merged_away[group] = _state.merged_away.get(group, 0) + count
 
 
-def _check(plans: Sequence[GroupPlan], state: _State) -> None:
+def _check(plans: Sequence[GroupPlan], state: _State, compile_id: int) -> None:
     """Check the plans whose context is new (NOTE [when the stream is checked]); record the decisions."""
     if not config.collective_check:
         return  # nothing remembered: the buckets run as separate collectives
@@ -188,12 +200,11 @@ def _check(plans: Sequence[GroupPlan], state: _State) -> None:
     if store is None or rank is None:
         log.debug("collective check skipped: no default store")
         return
-    if state.store is not store:
-        state.__init__(state.epoch, store)  # a new process group world: nothing seen in it yet
+    _in_world(state, store)
     runs, contexts = [], {}
     base = positions(state.issued)
     for p in plans:
-        context = (state.last.get(p.group), p.digest)
+        context = (state.last.get(p.group), p.digest, compile_id)
         if context in state.seen:
             continue
         contexts[p.group] = context
@@ -214,6 +225,13 @@ def _check(plans: Sequence[GroupPlan], state: _State) -> None:
             state.seen[contexts[run.group]] = bool(merge)
             if not merge:
                 log.debug("collective buckets on group %r run unmerged: the ranks' graphs differ here", run.group)
+
+
+def _in_world(state: _State, store: Any) -> None:
+    """Start ``state`` afresh (same epoch) where ``store`` is not the default store it was made for (a new world,
+    or the first check in this process); a tracked run calls it before its record, which this would drop."""
+    if state.store is not store:
+        state.__init__(state.epoch, store)
 
 
 def _start_responder(state: _State, store: Any, rank: int) -> None:
@@ -248,23 +266,24 @@ def checked(compiled: Callable[..., Any], plans: Sequence[GroupPlan]) -> Callabl
     Raises (from the returned callable):
         CollectiveMismatchError: from :func:`.exchange.agree`.
     """
-    plans = tuple(plans)
-    inner = _checked_one_group(compiled, plans) if len(plans) == 1 else _checked_groups(compiled, plans)
+    plans, compile_id = tuple(plans), next(_compiles)
+    one = len(plans) == 1
+    inner = (_checked_one_group if one else _checked_groups)(compiled, plans, compile_id)
     return _tracked(inner, compiled, plans) if _track else inner
 
 
-def _checked_groups(compiled: Callable[..., Any], plans: tuple[GroupPlan, ...]) -> Callable[..., Any]:
+def _checked_groups(compiled: Callable[..., Any], plans: tuple[GroupPlan, ...], compile_id: int) -> Callable[..., Any]:
     """:func:`checked` for a graph on several groups: every new context checked in one exchange."""
 
     def run(*args: Any, **kwargs: Any) -> Any:
         state = _state
         seen, last, merge = state.seen, state.last, state.merge
         for p in plans:
-            decided = seen.get((last.get(p.group), p.digest))
+            decided = seen.get((last.get(p.group), p.digest, compile_id))
             if decided is None:
                 if _compat.has_fake_tensor(args):
                     return compiled(*args, **kwargs)  # NOTE [fake runs are not checked]
-                state = _decide(plans, state)
+                state = _decide(plans, state, compile_id)
                 last, merge = state.last, state.merge
                 break
             merge[p.group] = decided
@@ -280,19 +299,21 @@ def _checked_groups(compiled: Callable[..., Any], plans: tuple[GroupPlan, ...]) 
     return _like(run, compiled)
 
 
-def _decide(plans: tuple[GroupPlan, ...], state: _State) -> _State:
+def _decide(plans: tuple[GroupPlan, ...], state: _State, compile_id: int) -> _State:
     """Check the graph's new contexts and set each group's bucket decision for this run; the current state."""
-    _check(plans, state)
+    _check(plans, state, compile_id)
     state = _state
     for p in plans:
-        decided = state.seen.get((state.last.get(p.group), p.digest))
+        decided = state.seen.get((state.last.get(p.group), p.digest, compile_id))
         if decided is None:
             decided = _PENDING if p.group in state.pending else False
         state.merge[p.group] = decided
     return state
 
 
-def _checked_one_group(compiled: Callable[..., Any], plans: tuple[GroupPlan, ...]) -> Callable[..., Any]:
+def _checked_one_group(
+    compiled: Callable[..., Any], plans: tuple[GroupPlan, ...], compile_id: int
+) -> Callable[..., Any]:
     """:func:`checked` for a graph on one group (the common case), with fewer steps per call."""
     plan = plans[0]
     group, digest, count, bucketed = plan.group, plan.digest, len(plan.records), plan.bucketed
@@ -300,14 +321,14 @@ def _checked_one_group(compiled: Callable[..., Any], plans: tuple[GroupPlan, ...
     def run(*args: Any, **kwargs: Any) -> Any:
         state = _state
         last = state.last
-        decided = state.seen.get((last.get(group), digest))
+        decided = state.seen.get((last.get(group), digest, compile_id))
         if decided is None:
             if _compat.has_fake_tensor(args):
                 return compiled(*args, **kwargs)  # NOTE [fake runs are not checked]
-            _check(plans, state)
+            _check(plans, state, compile_id)
             state = _state
             last = state.last
-            decided = state.seen.get((last.get(group), digest), False)
+            decided = state.seen.get((last.get(group), digest, compile_id), False)
         state.merge[group] = decided
         last[group] = digest
         issued = state.issued
@@ -329,6 +350,9 @@ def _tracked(
     def run(*args: Any, **kwargs: Any) -> Any:
         if _compat.has_fake_tensor(args):
             return inner(*args, **kwargs)
+        store = _compat.default_store()
+        if store is not None:
+            _in_world(_state, store)  # before the record: the run's check (its first in the world) keeps it
         for p in plans:
             seq = _compat.group_sequence_number(p.group)
             if seq is not None:
@@ -412,8 +436,7 @@ def check_collectives(records: Sequence[CollectiveSignature]) -> None:
     store, rank = _compat.default_store(), _compat.global_rank()
     if not config.collective_check or store is None or rank is None:
         return
-    if _state.store is not store:
-        _state.__init__(_state.epoch, store)  # a new process group world: nothing checked in it yet
+    _in_world(_state, store)
     runs = []
     base = positions(_state.direct)
     for p in group_plans(records, ""):
