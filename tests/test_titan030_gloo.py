@@ -112,8 +112,9 @@ def test_per_block_compile_is_stock_to_the_bit(slow_ranks, spmd_backend):
     for rank, r in enumerate(slow_ranks[f"{spmd_backend}_per_block"]):
         plugin, stock = r["plugin"], r["stock"]
         where = f"rank {rank}: plugin {plugin}, stock {stock}"
-        # torchtitan's default: each block compiled (fullgraph=True), FSDP2's hooks outside the graphs
+        # torchtitan's default: each block compiled (fullgraph=True), FSDP2's hooks outside the graphs; the
+        # eval passes run the compiled blocks under no_grad, a second graph of the block frame for both
         for result in (plugin, stock):
-            assert result["breaks"] == {} and result["recompiles"] == 0, where
+            assert result["breaks"] == {} and result["graphs"] == 2 and result["recompiles"] == 1, where
             assert result["mismatches"] == [] and result["beyond_tolerance"] == [], where
-        assert plugin["graphs"] == stock["graphs"] and plugin["same_as_stock"], where
+        assert plugin["same_as_stock"], where
