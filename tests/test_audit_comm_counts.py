@@ -96,9 +96,13 @@ def test_every_count_difference_has_a_reason_per_module():
 def test_a_difference_without_a_reason_is_a_mismatch():
     comm = merge({0: _events(eager_layers_all_reduce=3)}, target="t", world_size=1, backend="").comm
     (ar,) = [d for d in comm.count_differences if d.kind == "all_reduce"]
-    assert (ar.compiled, ar.eager, ar.reasons, ar.unexplained) == (2, 3, (), "layers.0: compiled 2, eager 3")
+    # each side's count by kind: what to look at
+    unexplained = (
+        "layers.0: compiled 2, eager 3 (compiled: 2 FSDP2's or explicit, 0 DTensor's; eager: 0 c10d, 3 functional)"
+    )
+    assert (ar.compiled, ar.eager, ar.reasons, ar.unexplained) == (2, 3, (), unexplained)
     text, ok = counts_line(comm)
-    assert ok is False and "MISMATCH" in text and "    unexplained: layers.0: compiled 2, eager 3" in text, text
+    assert ok is False and "MISMATCH" in text and "    unexplained: " + unexplained in text, text
 
 
 def test_an_eager_backward_and_graph_breaks_named_in_reasons():
@@ -120,7 +124,10 @@ def test_an_eager_backward_and_graph_breaks_named_in_reasons():
         "layers.1: compiled 0, eager 1: no compiled graph has a collective of it: ran eagerly (graph breaks at "
         "train.py:7, train.py:9)",
     )
-    assert d.unexplained == "layers.0: compiled 0, eager 1"  # layers.0 has compiled backward collectives
+    assert (
+        d.unexplained
+        == "layers.0: compiled 0, eager 1 (compiled: 0 FSDP2's or explicit, 0 DTensor's; eager: 0 c10d, 1 functional)"
+    )  # layers.0 has compiled backward collectives
 
 
 def test_fsdp_hooks_run_eagerly_around_compiled_blocks_are_the_c10d_surplus():
@@ -148,7 +155,10 @@ def test_fsdp_hooks_run_eagerly_around_compiled_blocks_are_the_c10d_surplus():
     # without the c10d split the same difference cannot be told apart from a wrong count
     del events[-1]["eager_comm"]["modules_c10d"]
     (d,) = merge({0: events}, target="t", world_size=1, backend="").comm.count_differences
-    assert d.unexplained == "layers.0: compiled 2, eager 3"
+    assert (
+        d.unexplained
+        == "layers.0: compiled 2, eager 3 (compiled: 0 FSDP2's or explicit, 2 DTensor's; eager: 0 c10d, 3 functional)"
+    )
 
 
 def _one_graph(forward: list[dict], backward: list[dict], modules: dict, c10d: dict) -> list[dict]:
@@ -236,7 +246,10 @@ def test_activation_checkpoint_recompute_is_the_backward_surplus():
     recompute["shape_in"] = [8]
     (d,) = merge({0: _one_graph(forward, [*grads, recompute], modules, c10d)}, target="t", world_size=1,
                  backend="").comm.count_differences  # fmt: skip
-    assert (d.reasons, d.unexplained) == ((), "layers.1: compiled 2, eager 1")
+    assert (d.reasons, d.unexplained) == (
+        (),
+        "layers.1: compiled 2, eager 1 (compiled: 0 FSDP2's or explicit, 2 DTensor's; eager: 0 c10d, 1 functional)",
+    )
 
 
 def test_eager_module_names_as_the_report_writes_them():
