@@ -5,8 +5,8 @@ drops the standard library (``sys.stdlib_module_names``), first-party and local 
 this repository, the shared corpus beside it) and relative imports, maps what is left to distributions
 (``importlib.metadata.packages_distributions()``; a module that is not installed is taken to be its own
 distribution's name) and checks them against pyproject's ``dependencies`` and extras.  ``tests/`` must get
-by with ``dependencies`` plus the ``test`` extra, which is all ``scripts/test.sh`` installs; the other trees
-may use any extra (``examples`` for transformers).
+by with ``dependencies`` plus the ``test`` extra, which is all ``scripts/test.sh`` installs, and the ``titan``
+extra, whose tests skip without it; the other trees may use any extra (``examples`` for transformers).
 
 What a declaration cannot see (torch warning at import without numpy) is caught by ``.ci/run``, which runs
 the test command in a brand-new virtual environment.
@@ -128,7 +128,7 @@ def declared_distributions(root: Path) -> tuple[set[str], dict[str, set[str]]]:
 def test_every_imported_third_party_module_is_declared():
     deps, extras = declared_distributions(ROOT)
     every_extra = set().union(*extras.values())
-    declared = {ROOT / "tests": deps | extras.get("test", set())}
+    declared = {ROOT / "tests": deps | extras.get("test", set()) | extras.get("titan", set())}
     declared.update({ROOT / t: deps | every_extra for t in TREES if t != "tests"})
     files = python_files(ROOT, TREES)
     assert len(files) > 20 and any(p.is_relative_to(ROOT / "examples") for p in files)
