@@ -158,3 +158,26 @@ def test_a_saved_tensor_hook_sees_no_tensor_of_the_trace(world, monkeypatch):
             net = build(4, reshard=True)
             seen[stamped] = saved_bytes(net, torch.compile(net, backend="aot_eager", fullgraph=True), batch(0, 0))
     assert seen[True] == seen[False], seen
+
+
+def test_a_frames_gather_recordings_go_with_its_graph(world, monkeypatch):
+    """The gather recordings of a frame do not keep its graph alive (they live on it: NOTE [recordings live on
+    the graph] in ``dynamo_ext/blocks/trace_once.py``)."""
+    import gc
+    import weakref
+
+    graphs: list[weakref.ref[torch.fx.Graph]] = []
+    frame_recordings = gather_stamps._frame_recordings
+
+    def spy(graph: torch.fx.Graph) -> Any:
+        if not any(r() is graph for r in graphs):
+            graphs.append(weakref.ref(graph))
+        return frame_recordings(graph)
+
+    monkeypatch.setattr(gather_stamps, "_frame_recordings", spy)
+    backend = _step(build(3, inners=(6, 6, 6)), batch(0, 0), stamped=True, monkeypatch=monkeypatch)
+    assert graphs and backend.stamps > 0, "no gather call went through the stamping path"
+    del backend
+    torch._dynamo.reset()
+    gc.collect()
+    assert [r() for r in graphs] == [None]

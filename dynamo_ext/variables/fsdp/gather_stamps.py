@@ -49,7 +49,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import logging
-import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -69,10 +68,18 @@ class _Recording:
     nodes: tuple[torch.fx.Node, ...]
 
 
-# Per frame trace: keyed by the root graph Dynamo is building (an OutputGraph is not hashable).
-_recordings: weakref.WeakKeyDictionary[torch.fx.Graph, dict[tuple[Any, ...], _Recording | None]] = (
-    weakref.WeakKeyDictionary()
-)
+_RECORDINGS_ATTR = "_dynamo_ext_gather_recordings"
+
+
+def _frame_recordings(graph: torch.fx.Graph) -> dict[tuple[Any, ...], _Recording | None]:
+    """The gather recordings of the frame whose root graph is ``graph``, kept on that graph: a recording holds
+    nodes, a node holds its graph, so a table keyed weakly by the graph would keep every graph alive (NOTE
+    [recordings live on the graph] in ``dynamo_ext/blocks/trace_once.py``)."""
+    recordings = graph.__dict__.get(_RECORDINGS_ATTR)
+    if recordings is None:
+        recordings = {}
+        setattr(graph, _RECORDINGS_ATTR, recordings)
+    return recordings
 
 
 def signature(impl: Callable[..., Any], local: Any, constants: tuple[Any, ...]) -> tuple[Any, ...] | None:
@@ -111,7 +118,7 @@ def call(tx: Any, impl: Callable[..., Any], local: Any, constants: list[Any], ke
     output = tx.output
     if key is None or _compat.inside_higher_order_op(tx):
         return _trace(tx, impl, local, constants)
-    recordings = _recordings.setdefault(output.root_tracer.graph, {})
+    recordings = _frame_recordings(output.root_tracer.graph)
     if key in recordings:
         recording = recordings[key]
         if recording is not None and _usable(recording, tx):
