@@ -56,6 +56,10 @@ def test_graph_breaks_each_with_gb_type_line_and_cause(report):
         (b["kind"], b["gb_type"], b["file"], b["line"], b["function"], b["distributed"]): b
         for b in report["graph_breaks"]
     }
+    # Dynamo's name for the dict comprehension's break: "Missing tp_iternext" to 2.13, "C-implemented special
+    # method without VariableTracker model" on 2.15
+    (dict_keys,) = [k[1] for k in got if (k[2], k[3]) == record] or ["(no break at the comprehension)"]
+    assert dict_keys in ("Missing tp_iternext", "C-implemented special method without VariableTracker model")
     expected = {
         # MoE routing: the all-to-all split sizes read back to the host (inherent: data-dependent sizes).  It sits
         # under transformers' _use_local_dtensor_params context manager, where Dynamo cannot resume, so Dynamo
@@ -66,7 +70,7 @@ def test_graph_breaks_each_with_gb_type_line_and_cause(report):
         # the plugin traces group hooks, but not a pass eager hooks started: a named break, lm_head's run eagerly
         ("graph_break", "dynamo_ext: FSDP2 setting not traced", *lm_head, "forward", True): 1,
         # transformers' output capturing iterates a dict's keys in a comprehension (stock Dynamo limitation)
-        ("frame_skip", "Missing tp_iternext", *record, "<dictcomp>", False): 1,
+        ("frame_skip", dict_keys, *record, "<dictcomp>", False): 1,
     }
     assert {k: dict(b["count_by_rank"]) for k, b in got.items()} == {
         k: {r: n for r in range(4)} for k, n in expected.items()
