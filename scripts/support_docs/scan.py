@@ -266,6 +266,16 @@ class Project:
     def rel(self, module: str) -> str:
         return self.files[module].relative_to(self.root).as_posix()
 
+    def star_names(self, module: str) -> list[str]:
+        """What ``from module import *`` binds: the string constants of the module's top-level ``__all__`` list
+        or tuple (the package's modules all set one); nothing for a module outside the package."""
+        tree = self.trees.get(module)
+        for node in tree.body if tree is not None else []:
+            if isinstance(node, ast.Assign) and any(getattr(x, "id", None) == "__all__" for x in node.targets):
+                if isinstance(node.value, ast.List | ast.Tuple):
+                    return [e.value for e in node.value.elts if isinstance(e, ast.Constant) and isinstance(e.value, str)]
+        return []
+
     def is_package(self, module: str) -> bool:
         return self.files[module].name == "__init__.py"
 
@@ -394,6 +404,8 @@ class _Walker:
             base = self.resolve_from(s)
             for a in s.names:
                 if a.name == "*":
+                    for name in self.p.star_names(base):
+                        self.env[name] = self.attr_values(self.module_value(base), name)
                     continue
                 value = self.attr_values(self.module_value(base), a.name)
                 self.env[a.asname or a.name] = value
