@@ -11,10 +11,9 @@ steps, and a stamped block's changed attribute was pinned again by the recompile
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
-
-import contextlib
 
 import pytest
 import torch

@@ -9,7 +9,7 @@ releases have it where known.
 Every public name of its modules (each module's ``__all__``) is re-exported here, where callers read it
 (``_compat.has_functional_op``) and tests patch it.  Importing it imports ``torch._dynamo`` (:mod:`.dynamo`); other modules load on first use.
 
-- :mod:`.dynamo`, :mod:`.compiled_autograd`: trackers, builders, sources, guards, frames, the lock; compiled autograd.
+- :mod:`.dynamo`, :mod:`.autograd_compiler`: trackers, builders, sources, guards, frames, the lock; compiled autograd.
 - :mod:`.frame_state`: the traced frame's state read and added to directly (side effects, inputs, guards).
 - :mod:`.automatic_dynamic`: the frame's automatic-dynamic record of the scalars it met, read and added to.
 - :mod:`.aot`: AOTAutograd (partitioner, input fakification, checkpointing).
@@ -23,48 +23,49 @@ Every public name of its modules (each module's ``__all__``) is re-exported here
 
 from __future__ import annotations
 
+from . import (
+    aot,
+    autograd_compiler,
+    automatic_dynamic,
+    caches,
+    distributed,
+    dtensor,
+    dynamo,
+    frame_state,
+    fsdp,
+    inductor,
+    probes,
+    structured_logs,
+    symm_mem,
+    tracing,
+)
 from .aot import *  # noqa: F403
-from .aot import __all__ as _aot
+from .autograd_compiler import *  # noqa: F403
 from .automatic_dynamic import *  # noqa: F403
-from .automatic_dynamic import __all__ as _automatic_dynamic
 from .caches import *  # noqa: F403
-from .caches import __all__ as _caches
-from .compiled_autograd import *  # noqa: F403
-from .compiled_autograd import __all__ as _compiled_autograd
 from .distributed import *  # noqa: F403
-from .distributed import __all__ as _distributed
 from .dtensor import *  # noqa: F403
-from .dtensor import __all__ as _dtensor
 from .dynamo import *  # noqa: F403
-from .dynamo import __all__ as _dynamo
 from .frame_state import *  # noqa: F403
-from .frame_state import __all__ as _frame_state
 from .fsdp import *  # noqa: F403
-from .fsdp import __all__ as _fsdp
 from .inductor import *  # noqa: F403
-from .inductor import __all__ as _inductor
 from .probes import *  # noqa: F403
-from .probes import __all__ as _probes
 from .structured_logs import *  # noqa: F403
-from .structured_logs import __all__ as _structured_logs
 from .symm_mem import *  # noqa: F403
-from .symm_mem import __all__ as _symm_mem
 from .tracing import *  # noqa: F403
-from .tracing import __all__ as _tracing
 
-__all__ = [
-    *_aot,
-    *_automatic_dynamic,
-    *_caches,
-    *_compiled_autograd,
-    *_distributed,
-    *_dtensor,
-    *_dynamo,
-    *_frame_state,
-    *_fsdp,
-    *_inductor,
-    *_probes,
-    *_structured_logs,
-    *_symm_mem,
-    *_tracing,
-]
+__all__: list[str] = []
+__all__ += aot.__all__
+__all__ += autograd_compiler.__all__
+__all__ += automatic_dynamic.__all__
+__all__ += caches.__all__
+__all__ += distributed.__all__
+__all__ += dtensor.__all__
+__all__ += dynamo.__all__
+__all__ += frame_state.__all__
+__all__ += fsdp.__all__
+__all__ += inductor.__all__
+__all__ += probes.__all__
+__all__ += structured_logs.__all__
+__all__ += symm_mem.__all__
+__all__ += tracing.__all__

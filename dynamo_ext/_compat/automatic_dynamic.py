@@ -60,7 +60,7 @@ _LOGS: list[list[ScalarSeen]] = []
 def install_scalar_log(patches: Any) -> None:
     """Log the scalars ``VariableBuilder`` records for automatic dynamic while a :func:`scalar_log` block is
     open (``variables/builder.py``'s ``process_automatic_dynamic`` wrapped, undone by ``patches``)."""
-    process = _builder.process_automatic_dynamic
+    process = _builder.process_automatic_dynamic  # pyright: ignore[reportPrivateImportUsage]  (builder's global)
 
     def logged(tx: Any, name: str, entry: Any, **kwargs: Any) -> Any:
         out = process(tx, name, entry, **kwargs)
@@ -104,7 +104,8 @@ def note_scalar(tx: Any, name: str, value: Any, *, unspecialized_nn_module: bool
     records an int or float it wraps (compiler collectives' exchange included); whether Dynamo now makes it
     dynamic."""
     entry = _pgo.FrameStateSizeEntry.make_scalar(value)
-    out = _builder.process_automatic_dynamic(tx, name, entry, is_unspecialized_nn_module=unspecialized_nn_module)
+    process = _builder.process_automatic_dynamic  # pyright: ignore[reportPrivateImportUsage]  (builder's global)
+    out = process(tx, name, entry, is_unspecialized_nn_module=unspecialized_nn_module)
     return out.scalar is _pgo.auto_dynamic
 
 
