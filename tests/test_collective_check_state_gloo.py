@@ -30,57 +30,18 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
-from fsdp_training import HIDDEN, INNER, diff, train
+from fsdp_training import diff, train
 from helpers import free_port, run_parts_on_ranks
-from torch import nn
+
+# 4 residual FSDP2 blocks, each reading the block output before the last: its Inductor backward differs on rank 3
+# of 4 (see the module docstring)
+from test_block_stamp_aliasing_gloo import _build
 
 pytestmark = pytest.mark.gloo
 
 TOL = 1e-5
 SEQUENCE = ("aot_eager", "inductor", "inductor")
 """Backends compiled one after the other in each rank process, ``torch._dynamo.reset()`` before each."""
-
-
-class PairBlock(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.up = nn.Linear(HIDDEN, INNER)
-        self.down = nn.Linear(INNER, HIDDEN)
-        self.mix = nn.Linear(HIDDEN, HIDDEN)
-
-    def forward(self, x: torch.Tensor, res: torch.Tensor) -> torch.Tensor:
-        return x + self.down(torch.relu(self.up(x))) + self.mix(res)
-
-
-class PairNet(nn.Module):
-    """4 residual blocks, each reading the block output before the last (its Inductor backward differs on
-    rank 3 of 4: see the module docstring)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.inp = nn.Linear(HIDDEN, HIDDEN, bias=False)
-        self.blocks = nn.ModuleList([PairBlock() for _ in range(4)])
-        self.out = nn.Linear(HIDDEN, HIDDEN, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.inp(x)
-        res = h
-        for block in self.blocks:
-            h, res = block(h, res), h
-        return self.out(h)
-
-
-def _build(world: int) -> nn.Module:
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    torch.manual_seed(0)
-    net = PairNet()
-    mesh = init_device_mesh("cpu", (world,))
-    for block in net.blocks:
-        fully_shard(block, mesh=mesh)
-    fully_shard(net, mesh=mesh)
-    return net
 
 
 def _digests(since: int) -> list[str]:
