@@ -48,6 +48,9 @@ def test_every_rank_of_both_runs_finishes_and_each_step_is_counted(titan_report)
     # stock: FSDP2's _dynamo.disable breaks the model at its hooks in the first step; nothing compiles after it
     assert report["stock"]["steps"][0]["graph_breaks"] + report["stock"]["steps"][0]["frame_skips"] > 0
     assert all(s["graphs"] == s["recompiles"] == 0 for s in report["steps"][1:]), report["steps"]
+    # the plugin: the whole model as one graph in the first step (README's audit table)
+    first = report["steps"][0]
+    assert (first["graph_breaks"] + first["frame_skips"], first["graphs"], first["recompiles"]) == (0, 1, 0), first
 
 
 def test_every_recompile_says_why(titan_report):
