@@ -342,3 +342,21 @@ def stamp_logs() -> contextlib.AbstractContextManager[list[str]]:
     from dynamo_ext.blocks import trace_once
 
     return _logged(trace_once.__name__, logging.DEBUG, " stamped from ")
+
+
+def graphs_seen_by(monkeypatch: Any, module: Any, name: str) -> list[Any]:
+    """Weak references to each distinct FX graph passed to ``module.name`` (a per-frame table getter, e.g.
+    ``trace_once._frame_recordings``) from now on: a test compiles, resets Dynamo, collects, and checks that every
+    reference is dead (the table does not keep its graph alive)."""
+    import weakref
+
+    graphs: list[Any] = []
+    original = getattr(module, name)
+
+    def spy(graph: Any) -> Any:
+        if not any(r() is graph for r in graphs):
+            graphs.append(weakref.ref(graph))
+        return original(graph)
+
+    monkeypatch.setattr(module, name, spy)
+    return graphs

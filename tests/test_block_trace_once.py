@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 from fsdp_training import batch, build
-from helpers import AotGraphs, module_paths
+from helpers import AotGraphs, graphs_seen_by, module_paths
 from torch import nn
 
 import dynamo_ext
@@ -384,17 +384,8 @@ def test_uninstall_restores_what_stamping_patches():
 def test_a_frames_recordings_go_with_its_graph(monkeypatch):
     """The recordings of a frame's blocks do not keep its graph alive (NOTE [recordings live on the graph])."""
     import gc
-    import weakref
 
-    graphs: list[weakref.ref[torch.fx.Graph]] = []
-    frame_recordings = trace_once._frame_recordings
-
-    def spy(graph: torch.fx.Graph) -> Any:
-        if not any(r() is graph for r in graphs):
-            graphs.append(weakref.ref(graph))
-        return frame_recordings(graph)
-
-    monkeypatch.setattr(trace_once, "_frame_recordings", spy)
+    graphs = graphs_seen_by(monkeypatch, trace_once, "_frame_recordings")
     model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(3)])
     dynamo_ext.install()
     try:

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 from fsdp_training import batch, build
-from helpers import AotGraphs
+from helpers import AotGraphs, graphs_seen_by
 
 import dynamo_ext
 from dynamo_ext.variables.fsdp import gather_stamps
@@ -164,17 +164,8 @@ def test_a_frames_gather_recordings_go_with_its_graph(world, monkeypatch):
     """The gather recordings of a frame do not keep its graph alive (they live on it: NOTE [recordings live on
     the graph] in ``dynamo_ext/blocks/trace_once.py``)."""
     import gc
-    import weakref
 
-    graphs: list[weakref.ref[torch.fx.Graph]] = []
-    frame_recordings = gather_stamps._frame_recordings
-
-    def spy(graph: torch.fx.Graph) -> Any:
-        if not any(r() is graph for r in graphs):
-            graphs.append(weakref.ref(graph))
-        return frame_recordings(graph)
-
-    monkeypatch.setattr(gather_stamps, "_frame_recordings", spy)
+    graphs = graphs_seen_by(monkeypatch, gather_stamps, "_frame_recordings")
     backend = _step(build(3, inners=(6, 6, 6)), batch(0, 0), stamped=True, monkeypatch=monkeypatch)
     assert graphs and backend.stamps > 0, "no gather call went through the stamping path"
     del backend
