@@ -122,7 +122,7 @@ def main() -> None:
     parser.add_argument("--nproc", type=int, default=4)
     parser.add_argument("--steps", type=int, default=20, help="steps per timed round (3 rounds)")
     parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--backend", default="aot_eager", help="aot_eager (per-parameter collectives) or inductor")
+    parser.add_argument("--backend", default="aot_eager", help="aot_eager (FSDP2's collectives unbucketed) or inductor")
     args = parser.parse_args()
     from rich.console import Console
     from rich.table import Table

@@ -60,8 +60,8 @@ def test_identical_parameters_share_one_traced_gather_and_aot_graphs_are_unchang
     traced = _step(net, x, stamped=False, monkeypatch=monkeypatch)
     assert stamped.codes == traced.codes  # AOTAutograd's forward and backward, node for node
     assert stamped.contexts == traced.contexts
-    # at least blocks 1 and 2 repeat block 0's four parameters (other shards may match too)
-    assert traced.stamps == 0 and stamped.stamps >= 2 * 4, stamped.stamps
+    # at least blocks 1 and 2 repeat block 0's group gather (its four parameters in one all-gather)
+    assert traced.stamps == 0 and stamped.stamps >= 2, stamped.stamps
     assert any("blocks.1" in path for path in stamped.stamped_in), stamped.stamped_in
 
 
@@ -99,7 +99,7 @@ def test_fsdp_over_tp_llama_aot_graphs_are_unchanged(world, monkeypatch):
     traced = _step(model, tokens, stamped=False, monkeypatch=monkeypatch)
     assert stamped.codes == traced.codes
     assert stamped.contexts == traced.contexts
-    assert stamped.stamps >= 9, stamped.stamps  # block 1's 9 parameters repeat block 0's
+    assert stamped.stamps >= 1, stamped.stamps  # block 1's group gather (9 parameters) repeats block 0's
 
 
 class _Tracked:
@@ -112,36 +112,49 @@ class _Tracked:
         return self
 
 
+class _Result:
+    """Stands for the tuple tracker a gather call returns: ``items``."""
+
+    def __init__(self, *nodes: torch.fx.Node) -> None:
+        self.items = [_Tracked(n) for n in nodes]
+
+
 def test_a_call_reading_a_value_from_before_it_is_not_recorded(caplog):
     graph = torch.fx.Graph()
     local, other = graph.placeholder("local"), graph.placeholder("other")
     first = graph.call_function(torch.add, (local, 1))
     mixed = graph.call_function(torch.mul, (first, other))
+    shards = [_Tracked(local)]
     with caplog.at_level(logging.DEBUG, logger=gather_stamps.__name__):
-        assert gather_stamps._checked((first, mixed), _Tracked(local), _Tracked(mixed), False, {}) is None
-        assert gather_stamps._checked((first,), _Tracked(local), _Tracked(first), True, {}) is None
-        assert gather_stamps._checked((first,), _Tracked(local), _Tracked(local), False, {}) is None
+        assert gather_stamps._checked((first, mixed), shards, _Result(mixed), False, {}) is None
+        assert gather_stamps._checked((first,), shards, _Result(first), True, {}) is None
+        assert gather_stamps._checked((first,), shards, _Result(local), False, {}) is None
     reasons = [r.getMessage() for r in caplog.records]
     assert any("reads ['other'] from before the call" in r for r in reasons), reasons
     assert any("lifted a graph input" in r for r in reasons), reasons
-    assert any("not its last node" in r for r in reasons), reasons
-    recording = gather_stamps._checked((first,), _Tracked(local), _Tracked(first), False, {})
-    assert recording is not None and recording.nodes == (first,)
+    assert any("not a tuple of its own nodes" in r for r in reasons), reasons
+    recording = gather_stamps._checked((first,), shards, _Result(first), False, {})
+    assert recording is not None and recording.nodes == (first,) and recording.outputs == (first,)
+    # a group gather: two shards read, two results
+    two = graph.call_function(torch.add, (other, 2))
+    recording = gather_stamps._checked((first, two), [_Tracked(local), _Tracked(other)], _Result(two, first), False, {})
+    assert recording is not None and recording.locals == (local, other) and recording.outputs == (two, first)
 
 
 def test_symbolic_shard_sizes_are_not_stamped():
     graph = torch.fx.Graph()
     node = graph.placeholder("local")
     node.meta["example_value"] = torch.empty(4, 3)
-    assert gather_stamps.signature(len, _Tracked(node), (2, "g")) is not None
-    assert gather_stamps.signature(len, _Tracked(node), (2, ["unhashable"])) is None
+    assert gather_stamps.signature(len, [_Tracked(node)], (2, "g")) is not None
+    assert gather_stamps.signature(len, [_Tracked(node)], (2, ["unhashable"])) is None
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
     with FakeTensorMode(shape_env=ShapeEnv()) as mode:
         sym = mode.shape_env.create_unbacked_symint()
         node.meta["example_value"] = torch.empty(sym, 3)
-    assert gather_stamps.signature(len, _Tracked(node), (2, "g")) is None
+    assert gather_stamps.signature(len, [_Tracked(node)], (2, "g")) is None
+    assert gather_stamps.signature(len, [_Tracked(graph.placeholder("whole"))], (2, "g")) is None  # no fake value
 
 
 def test_a_saved_tensor_hook_sees_no_tensor_of_the_trace(world, monkeypatch):

@@ -46,6 +46,7 @@ from __future__ import annotations
 import bisect
 import functools
 import logging
+import operator
 import threading
 from collections import Counter
 from collections.abc import Callable
@@ -129,6 +130,9 @@ def _sink_into_consumers(nodes: list[torch.fx.Node], partition: dict[torch.fx.No
     pre-forward, the output projection reads them at the end) would be an output of the first submodule and
     an input of the last: the last one's backward would save it, where the one graph's partitioner
     recomputes it (FSDP2's re-gather in backward).  Moved to its reader, it is recomputed there as before.
+    A node read on both sides stays, and so do the items of a tuple it makes (a higher-order op's outputs, a
+    ``split``'s): a cut carries tensors only.  (So FSDP2's root, whose modules run on both sides, gathers its
+    parameters one by one: NOTE [FSDP2 gathers per group].)
     Only nodes without side effects move (``Node.is_impure``: no random op, no in-place method), and only where
     they run under the grad mode and autocast of their place (NOTE [grad mode and autocast across cuts]); the
     moves depend on the graph's ops alone, the same on every rank.
@@ -137,6 +141,7 @@ def _sink_into_consumers(nodes: list[torch.fx.Node], partition: dict[torch.fx.No
     first: dict[int, torch.fx.Node] = {}
     for n in nodes:
         first.setdefault(partition[n], n)
+    moved: set[torch.fx.Node] = set()
     for n in reversed(nodes):
         if partition[n] != 0 or not n.users or n.op not in ("call_function", "call_method", "get_attr"):
             continue
@@ -146,6 +151,11 @@ def _sink_into_consumers(nodes: list[torch.fx.Node], partition: dict[torch.fx.No
         if len(readers) == 1 and (target := readers.pop()) > 1:  # not into the first block: it reads h anyway
             if states is None or states[n] == states[first[target]]:  # it runs just before that submodule's first
                 partition[n] = target
+                moved.add(n)
+    # A tuple (a higher-order op's outputs) never becomes a cut's value: an item moved without it goes back.
+    for n in moved:
+        if n.target is operator.getitem and isinstance(n.args[0], torch.fx.Node) and n.args[0] not in moved:
+            partition[n] = partition[n.args[0]]
 
 
 _state = threading.local()

@@ -1,6 +1,6 @@
 """Audit target: two FSDP2 modules, the second called through a function Dynamo must not trace.
 
-`first` is compiled with its FSDP2 hooks (the plugin traces them: per-parameter all-gathers and
+`first` is compiled with its FSDP2 hooks (the plugin traces them: its all-gather and
 reduce-scatters in the graphs); `second` runs behind a graph break (`torch._dynamo.disable`), so its
 FSDP2 hooks and collectives run eagerly and no compiled graph has them.  The communication report's
 counts then differ from eager `CommDebugMode`'s by exactly `second`'s collectives, and the report must

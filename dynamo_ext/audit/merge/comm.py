@@ -6,9 +6,11 @@ collectives under their legacy names (``c10d_functional.all_reduce``) and
 FSDP2's c10d ops (``c10d._allgather_base_``, ``c10d._reduce_scatter_base_``).
 Both map to a traffic kind (:data:`..rank.eager_comm.EAGER_KINDS`, :data:`..rank.comm.TRAFFIC`).
 Eager FSDP2 issues one all-gather (and one reduce-scatter) of a flat buffer per
-FSDP group; the plugin's traced FSDP2 issues one per parameter, so compiled
-FSDP collectives are counted once per (graph, module, kind) - one FSDP group,
-the module that ``fully_shard`` wrapped - and every other collective once.
+FSDP group; the plugin's traced FSDP2 issues one all-gather per group too (one per
+parameter for a root gathered again in backward, NOTE [FSDP2 gathers per group])
+and one reduce-scatter per parameter, so compiled FSDP collectives are counted
+once per (graph, module, kind) - one FSDP group, the module that ``fully_shard``
+wrapped - and every other collective once.
 FSDP2's all-reduces are the exception: the plugin traces no HSDP (its one
 all-reduce per group; ``variables/fsdp/hooks.py`` refuses it), so a traced FSDP2
 all-reduce is the reduction of a gradient that is ``Partial`` on another mesh

@@ -112,7 +112,7 @@ class Comm:
     ``bytes_per_step``: bytes one rank sends in one step (worst rank), each
     compiled graph counted once (a graph that runs k times per step moves k
     times that); what ``--comm-budget`` compares.  ``counts``: collectives per
-    (phase, kind), FSDP2's per-parameter collectives counted once per FSDP
+    (phase, kind), FSDP2's traced collectives counted once per FSDP
     group and phase as eager FSDP2 issues them (the like-with-like count);
     ``eager_counts``: ``CommDebugMode``'s counts of the eager step, mapped to
     the same kinds (``None``: the numerics check did not run); ``count_differences``: where

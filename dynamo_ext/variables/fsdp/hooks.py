@@ -5,14 +5,15 @@ torch/distributed/fsdp/_fully_shard/_fsdp_common.py), so stock Dynamo breaks
 the graph at every FSDP module.  We trace, in their place, what the hooks do
 to the numbers of a training step:
 
-- pre-forward: each parameter's local shard is padded to FSDP's padded shard
-  size and all-gathered over the shard mesh axis by an ``autograd.Function``
+- pre-forward: each param group's local shards are padded to FSDP's padded
+  shard size and all-gathered together over the shard mesh axis, one
+  collective per group as eager FSDP2 issues (NOTE [FSDP2 gathers per group],
+  ``unshard.py``); each parameter's rows pass through an ``autograd.Function``
   whose backward is FSDP2's gradient reduction (NOTE [FSDP2 gradients in
-  traced graphs], ``reduce.py``), the padding is cut off, and the
-  unsharded tensor (for FSDP over TP, a DTensor on the TP mesh) is set on the
-  module as the parameter, as ``FSDPParam.to_unsharded`` does; with
-  ``reshard_after_forward`` the gather is recomputed in backward (NOTE [FSDP2
-  memory: re-gather in backward]);
+  traced graphs], ``reduce.py``); the padding is cut off, and each unsharded tensor (for FSDP over TP, a
+  DTensor on the TP mesh) is set on the module as the parameter, as
+  ``FSDPParam.to_unsharded`` does; with ``reshard_after_forward`` the gather
+  is recomputed in backward (NOTE [FSDP2 memory: re-gather in backward]);
 - post-forward: the sharded parameter is set back, as ``FSDPParam.to_sharded``
   does.  FSDP2's eager backward hooks are not registered: the gradient flows
   through the gather's backward into the sharded parameter's ``.grad``.
@@ -46,156 +47,17 @@ same pre- and post-forward through their own hooks (``groups.py``).
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from typing import Any
 
 from ... import _compat, graph_breaks
 from ...guards.spec import GuardSpec, install_spec_guard
-from ..base import wrap_constant
 from ..functions import register_handler, register_polyfill
-from . import gather_stamps, passes, reduce, sources
+from . import passes, sources, unshard
 
 log = logging.getLogger(__name__)
 # FSDP2's TrainingState.IDLE: a state or param group between passes.
 _IDLE = _compat.fsdp_idle_training_state()
-
-
-def gather_with_fsdp_backward(param_group: Any, fsdp_param: Any, local: Any) -> Any:
-    """All-gather ``local`` over ``fsdp_param``'s shard group; backward: FSDP2's reduction.
-
-    Traced by :func:`_gather_handler` (``reduce.gather`` with the
-    reduction planned at trace time); never called eagerly.
-    """
-    raise RuntimeError("gather_with_fsdp_backward is only meaningful inside a graph traced by dynamo-ext")
-
-
-def _gather_handler(tx: Any, args: list[Any], kwargs: dict[str, Any]) -> Any:
-    param_group, fsdp_param = (getattr(a, "value", None) for a in args[:2])
-    if fsdp_param is None or param_group is None:
-        graph_breaks.graph_break(graph_breaks.FSDP_UNTRACED, "FSDPParam not known at trace time")
-    try:
-        reduction = reduce.plan(fsdp_param, param_group)
-    except (NotImplementedError, ValueError) as e:  # a release or reduce op we do not mirror
-        graph_breaks.graph_break(graph_breaks.FSDP_UNTRACED, f"FSDP2 gradient reduction: {e}")
-    log.debug("FSDP2 %s: gradient reduction %s", fsdp_param._module_info.param_name, reduction)
-    fields = tuple(getattr(reduction, f.name) for f in dataclasses.fields(reduction))
-    # NOTE [FSDP2 memory: re-gather in backward]: with reshard_after_forward (True or an
-    # int) eager FSDP2 frees the unsharded parameter after forward and all-gathers it
-    # again in backward.  The gather is traced inside an activation checkpoint, so
-    # AOTAutograd's partitioner marks it must-recompute: the backward graph re-gathers
-    # from the sharded parameter instead of saving the unsharded one (SimpleFSDP does
-    # the same).  reshard_after_forward=False saves it, like eager.
-    # torch 2.11's compiled checkpoint tags only the region's own ops for recompute, not those
-    # inside the gather's autograd.Function: there a policy (selective checkpointing) tags them all.
-    # The setting is read when the frame is traced and not guarded: it decides where the unsharded
-    # parameter lives until backward (saved, or gathered again), never a value.  torchtitan's chunked loss
-    # turns it on for the [norm, lm_head] group after its first call (set_reshard_after_forward(True) where
-    # fully_shard had False); the frame keeps the choice it was traced with instead of recompiling.
-    recomputed = _gather_recomputed if _compat.checkpoint_tags_nested_ops() else _gather_recomputed_by_policy
-    impl = recomputed if param_group.post_forward_mesh_info is not None else _gather_impl
-    log.debug(
-        "FSDP2 %s: reshard_after_forward=%s traced (%s)",
-        fsdp_param._module_info.param_name,
-        param_group.post_forward_mesh_info is not None,
-        "gathered again in backward" if impl is not _gather_impl else "saved for backward",
-    )
-    if impl is _gather_recomputed_by_policy:
-        log.debug("FSDP2 %s: re-gather checkpointed with a recompute-all policy", fsdp_param._module_info.param_name)
-    rows = fsdp_param.padded_sharded_param_size[0]
-    # NOTE [FSDP2 gathers traced once]: identical parameters share one traced call.
-    key = gather_stamps.signature(impl, args[2], (rows, *fields))
-    constants = [wrap_constant(tx, v) for v in (rows, *fields)]
-    return gather_stamps.call(tx, impl, args[2], constants, key)
-
-
-def spmd_types_reductions(fsdp_param: Any) -> Any:
-    """``_compat.fsdp_spmd_types_reductions(fsdp_param)``, a constant at trace time (:func:`_spmd_handler`)."""
-    raise RuntimeError("spmd_types_reductions is only meaningful inside a graph traced by dynamo-ext")
-
-
-def _spmd_handler(tx: Any, args: list[Any], kwargs: dict[str, Any]) -> Any:
-    fsdp_param = getattr(args[0], "value", None)
-    if fsdp_param is None:
-        graph_breaks.graph_break(graph_breaks.FSDP_UNTRACED, "FSDPParam not known at trace time")
-    try:
-        reductions = _compat.fsdp_spmd_types_reductions(fsdp_param)
-    except ValueError as e:
-        graph_breaks.graph_break(
-            graph_breaks.FSDP_UNTRACED, f"FSDP2 gradient reduction of an spmd_types parameter: {e}"
-        )
-    return wrap_constant(tx, reductions)
-
-
-def _gather_impl(local: Any, padded_rows: int, *fields: Any) -> Any:
-    import torch.nn.functional as F  # noqa: N812
-
-    # Pad here, not before: a recomputed gather then keeps only the sharded
-    # parameter itself for backward, not a padded copy of it.  Pad on every rank,
-    # by zero rows where the shard is whole: ranks with uneven shards must still
-    # trace the same graph, or a pass deciding from graph positions (collective
-    # bucketing) decides differently per rank and the collectives hang.
-    local = F.pad(local, [0, 0] * (local.dim() - 1) + [0, padded_rows - local.size(0)])
-    return reduce.gather(local, reduce.GradReduction(*fields))
-
-
-def _gather_recomputed(local: Any, *fields: Any) -> Any:
-    import torch.utils.checkpoint
-
-    return torch.utils.checkpoint.checkpoint(_gather_impl, local, *fields, use_reentrant=False)
-
-
-def _gather_recomputed_by_policy(local: Any, *fields: Any) -> Any:
-    import torch.utils.checkpoint
-
-    return torch.utils.checkpoint.checkpoint(
-        _gather_impl, local, *fields, use_reentrant=False, context_fn=_recompute_every_op
-    )
-
-
-def _recompute_every_op() -> Any:
-    """Selective-checkpoint contexts that recompute every op, the collectives included."""
-    from torch.utils.checkpoint import create_selective_checkpoint_contexts
-
-    return create_selective_checkpoint_contexts(_prefer_recompute)
-
-
-def _prefer_recompute(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
-    from torch.utils.checkpoint import CheckpointPolicy
-
-    return CheckpointPolicy.PREFER_RECOMPUTE
-
-
-def unshard_param(param_group: Any, fsdp_param: Any) -> Any:
-    """The unsharded parameter of one ``FSDPParam``: ``orig_size``, ``param_dtype`` or its own dtype.
-
-    Gathers ``sharded_param``'s local tensor (shape ``[ceil(d0 / W), ...]`` after
-    padding, W = shard world size) along dim 0 over the shard group, then keeps
-    the first ``orig_size[0]`` rows.  Its gradient is reduced as eager FSDP2
-    reduces it (NOTE [FSDP2 gradients in traced graphs]).
-    """
-    import torch
-
-    full = gather_with_fsdp_backward(param_group, fsdp_param, fsdp_param.sharded_param.to_local())
-    size = fsdp_param._orig_size
-    full = torch.narrow(full, 0, 0, size[0]).reshape(size)
-    outside_dp = spmd_types_reductions(fsdp_param)
-    if outside_dp is not None:
-        # NOTE [FSDP2 over an SPMD mesh]: a parameter annotated with spmd_types is unsharded to its plain
-        # local tensor (FSDPParam.init_unsharded_param keeps it plain), whose gradient eager FSDP2 sums over
-        # the non-DP mesh axes where it is Partial before the reduce-scatter.
-        return reduce.reduce_outside_dp(full, outside_dp)
-    if fsdp_param.is_dtensor:
-        # FSDP over TP: the gathered tensor is this rank's TP shard; the
-        # unsharded parameter is that shard as a DTensor on the TP mesh.
-        from torch.distributed.tensor import DTensor
-
-        spec = _compat.fsdp_unsharded_spec(fsdp_param)
-        meta = spec.tensor_meta
-        full = DTensor.from_local(
-            full, spec.mesh, spec.placements, run_check=False, shape=meta.shape, stride=meta.stride
-        )
-    return full
 
 
 def _set_param(fsdp_param: Any, tensor: Any) -> None:
@@ -223,8 +85,8 @@ def pre_forward(state: Any, module: Any, args: Any, kwargs: Any) -> Any:
         ctx._dynamo_ext_forward_root = state
     args, kwargs = cast_inputs(state, args, kwargs)
     for group in _compat.fsdp_param_groups(state):
-        for fsdp_param in group.fsdp_params:
-            _set_param(fsdp_param, unshard_param(group, fsdp_param))
+        for fsdp_param, full in zip(group.fsdp_params, unshard.unshard_group(group, state._is_root)):
+            _set_param(fsdp_param, full)
     return args, kwargs
 
 
@@ -418,7 +280,7 @@ def register() -> None:
     state_cls = _compat.fsdp_state_class()
     if state_cls is None:
         return
-    register_handler(gather_with_fsdp_backward, _gather_handler)
-    register_handler(spmd_types_reductions, _spmd_handler)
+    register_handler(unshard.gather_with_fsdp_backward, unshard._gather_handler)
+    register_handler(unshard.spmd_types_reductions, unshard._spmd_handler)
     register_polyfill(state_cls.__dict__["_pre_forward"], pre_forward, check=check_state)
     register_polyfill(state_cls.__dict__["_post_forward"], post_forward, check=check_state)

@@ -23,7 +23,10 @@ sharded ``.grad`` as a DTensor with the parameter's placements, exactly where
 eager FSDP2 puts it, and a second backward accumulates into it as
 ``foreach_reduce`` does (``grad._local_tensor += new``).  The reduce-scatter is
 per parameter rather than over one flat buffer per group; each element is the
-same reduction of the same values.
+same reduction of the same values.  A group's parameters are all-gathered in
+one collective (NOTE [FSDP2 gathers per group] in ``unshard.py``), each
+parameter's rows then passing through :class:`GatheredParam`, whose backward
+is the same reduction.
 
 Only configurations whose eager reduction is this sequence are traced (see
 ``hooks.untraced_reasons``); the others break the graph so FSDP2's own hooks run.
@@ -121,17 +124,68 @@ class FSDPAllGather(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        group_name, world, reduce_dtype, op, premul, pre_factor, post_factor = ctx.reduction
-        if reduce_dtype is not None:
-            grad = grad.to(reduce_dtype)
-        if premul is not None:
-            grad = grad * premul
-        if pre_factor is not None:
-            grad = grad / pre_factor
-        out = wait_tensor(_C.reduce_scatter_tensor(grad.contiguous(), op, world, group_name))
-        if post_factor is not None:
-            out = out / post_factor
-        return out.to(ctx.orig_dtype), None, None, None, None, None, None, None, None
+        return _reduced(grad, ctx.reduction, ctx.orig_dtype), None, None, None, None, None, None, None, None
+
+
+def _reduced(grad: torch.Tensor, reduction: tuple[Any, ...], orig_dtype: torch.dtype) -> torch.Tensor:
+    """FSDP2's reduction of one unsharded gradient ``[W * R, ...]`` to this rank's ``[R, ...]`` in ``orig_dtype``."""
+    group_name, world, reduce_dtype, op, premul, pre_factor, post_factor = reduction
+    if reduce_dtype is not None:
+        grad = grad.to(reduce_dtype)
+    if premul is not None:
+        grad = grad * premul
+    if pre_factor is not None:
+        grad = grad / pre_factor
+    out = wait_tensor(_C.reduce_scatter_tensor(grad.contiguous(), op, world, group_name))
+    if post_factor is not None:
+        out = out / post_factor
+    return out.to(orig_dtype)
+
+
+class GatheredParam(torch.autograd.Function):
+    """One parameter's rows of a group's all-gather: identity on ``gathered`` in forward; backward: FSDP2's
+    reduction of its gradient, into ``local`` (NOTE [FSDP2 gathers per group] in ``unshard.py``).
+
+    ``forward(local, gathered, *fields of GradReduction)``: ``local`` is the padded shard ``[R, ...]`` in the
+    parameter's original dtype, ``gathered`` its gather ``[W * R, ...]`` in ``param_dtype`` (gathered without
+    autograd); returns ``gathered``.  A parameter the forward does not use gets no gradient (``None``, as eager
+    FSDP2 leaves it), which one reduction of the whole group's buffer could not give.
+    """
+
+    @staticmethod
+    def forward(
+        ctx, local, gathered, group_name, world, param_dtype, reduce_dtype, op, premul, pre_factor, post_factor
+    ):
+        ctx.orig_dtype = local.dtype
+        ctx.reduction = (group_name, world, reduce_dtype, op, premul, pre_factor, post_factor)
+        return gathered.view_as(gathered)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _reduced(grad, ctx.reduction, ctx.orig_dtype), None, None, None, None, None, None, None, None, None
+
+
+def gather_group(padded: list[torch.Tensor], reduction: GradReduction) -> tuple[torch.Tensor, ...]:
+    """All-gather several padded shards (``[R_i, ...]``) in one collective; each result ``[W * R_i, ...]``.
+
+    The shards are flattened into one buffer, gathered to ``(W, N)`` and split by columns (NOTE [FSDP2 gathers
+    per group] in ``unshard.py``); each result's gradient is reduced on its own by :class:`GatheredParam`.
+    """
+    r = reduction
+    flat = torch.cat([t.detach().reshape(-1) for t in padded])
+    if r.param_dtype is not None:
+        flat = flat.to(r.param_dtype)
+    full = wait_tensor(_C.all_gather_into_tensor(flat, r.world, r.group_name)).view(r.world, -1)
+    fields = (r.group_name, r.world, r.param_dtype, r.reduce_dtype, r.op, r.premul, r.pre_factor, r.post_factor)
+    out = []
+    offset = 0
+    for t in padded:
+        # narrow, not split: one op per parameter, no tuple (compiled autograd's copies of AOT backward graphs
+        # are traced op by op in the order the graph has them, NOTE [AOT backward copies traced as one call])
+        rows = torch.narrow(full, 1, offset, t.numel()).reshape(r.world * t.size(0), *t.shape[1:])
+        out.append(GatheredParam.apply(t, rows, *fields))
+        offset += t.numel()
+    return tuple(out)
 
 
 def gather(local: torch.Tensor, reduction: GradReduction) -> torch.Tensor:
