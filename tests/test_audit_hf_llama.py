@@ -76,11 +76,12 @@ def test_plugin_ranks_run_the_step_as_one_graph(report):
         False,
         False,
     )
-    # FSDP2's all-gathers over "dp" and the rowwise o_proj / down_proj all-reduces over "tp" (2 layers); the
-    # backward AOTAutograd derived: FSDP2's reduce-scatters and TP's input-gradient all-reduces
-    assert graph["collectives"] == [["all_gather_into_tensor", 21], ["all_reduce", 4]], graph["collectives"]
+    # FSDP2's all-gathers over "dp", one per param group (the root's, each layer's: NOTE [FSDP2 gathers per
+    # group]) and the rowwise o_proj / down_proj all-reduces over "tp" (2 layers); the backward AOTAutograd
+    # derived: the layers re-gathered, FSDP2's reduce-scatters (per parameter) and TP's input-gradient all-reduces
+    assert graph["collectives"] == [["all_gather_into_tensor", 3], ["all_reduce", 4]], graph["collectives"]
     assert graph["backward_collectives"] == [
-        ["all_gather_into_tensor", 18],
+        ["all_gather_into_tensor", 2],
         ["all_reduce", 10],
         ["reduce_scatter_tensor", 21],
     ], graph["backward_collectives"]
