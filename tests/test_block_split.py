@@ -266,3 +266,36 @@ def test_the_cut_backward_keeps_the_boxed_calling_convention():
     args = [torch.ones(5)]
     (out,) = FlatBackward(sized, sizes=[(0, 0, False)]).boxed(sized)(args)
     assert args == [] and torch.equal(out, torch.full((5,), 5.0))
+
+
+def test_a_tuple_read_on_both_sides_of_the_blocks_stays_with_its_items():
+    # NOTE [values that would cross a cut]: an item read only after the blocks would move to its reader, but the
+    # tuple it comes from is read before the blocks too and stays: the item goes back, a cut carries no tuple
+    # (AOTAutograd refuses a submodule output that is a tuple).
+    import operator
+
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    parts = graph.call_function(torch.split, (x, 2))
+    first = graph.call_function(operator.getitem, (parts, 0))
+    second = graph.call_function(operator.getitem, (parts, 1))
+    before = graph.call_function(torch.relu, (first,))
+    block = graph.call_function(torch.add, (before, 1))
+    after = graph.call_function(torch.mul, (second, block))
+    graph.output(after)
+    nodes = list(graph.nodes)
+    partition = {n: 0 for n in nodes}
+    partition.update({block: 1, after: 2, nodes[-1]: 2})
+    block_split._sink_into_consumers(nodes, partition)
+    assert (partition[parts], partition[first], partition[second]) == (0, 0, 0), partition
+    # a value read after the blocks only still moves there
+    graph2 = torch.fx.Graph()
+    y = graph2.placeholder("y")
+    late = graph2.call_function(torch.neg, (y,))
+    mid = graph2.call_function(torch.add, (y, 1))
+    end = graph2.call_function(torch.mul, (late, mid))
+    graph2.output(end)
+    nodes2 = list(graph2.nodes)
+    partition2 = {y: 0, late: 0, mid: 1, end: 2, nodes2[-1]: 2}
+    block_split._sink_into_consumers(nodes2, partition2)
+    assert partition2[late] == 2, partition2

@@ -71,8 +71,8 @@ def _release_breaks(name: str) -> bool:
 
 
 def _expected_gathers(net: torch.nn.Module) -> int:
-    """Eager FSDP2's all-gathers in one forward: one per param group (NOTE [FSDP2 gathers per group]; every
-    group here has one dtype), but one per parameter for a root group gathered again in backward."""
+    """The all-gathers of the traced forward: one per param group as eager FSDP2 issues them (NOTE [FSDP2 gathers
+    per group]; every group here has one dtype), one per parameter for a root group gathered again in backward."""
     import dynamo_ext._compat as compat
 
     root = net._get_fsdp_state()

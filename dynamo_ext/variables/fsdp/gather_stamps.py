@@ -146,7 +146,7 @@ def call(
     new = tuple(n for n in graph.nodes if n not in before)
     recordings[key] = _checked(new, locals_, result, len(output.placeholders) != inputs, output.nn_modules)
     if recordings[key] is not None:
-        log.debug("FSDP2 gather of a %s shard traced: later identical parameters are stamped from it", key[1])
+        log.debug("FSDP2 gather of a %s shard traced: later identical groups are stamped from it", key[1])
     return result
 
 
